@@ -1,0 +1,43 @@
+# twophase — set-up, tests, server. Every target creates what it needs on a fresh machine.
+VENV      ?= .venv
+PYTHON    ?= python3
+PY        := $(VENV)/bin/python
+TWOPHASE  := $(VENV)/bin/twophase
+MODEL     ?= smollm2-135m-instruct
+HOST      ?= 127.0.0.1
+PORT      ?= 8000
+# CPU machines take the CPU build of torch that pip finds locally; with a GPU, any torch >= 2.5.
+TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.5' || echo 'torch==2.13.0')
+PYTEST_ARGS ?=
+
+.PHONY: setup model test test-all serve generate bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q '$(TORCH_SPEC)'
+	$(PY) -m pip install -q -e '.[test]'
+	touch $@
+
+setup: $(VENV)/.installed
+
+model: setup
+	$(TWOPHASE) pull $(MODEL)
+
+test: setup model
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+test-all: setup model
+	$(PY) -m pytest -q -m '' $(PYTEST_ARGS)
+
+serve: setup model
+	$(TWOPHASE) serve --model $(MODEL) --host $(HOST) --port $(PORT)
+
+generate: setup model
+	$(TWOPHASE) generate --model $(MODEL) --temperature 0 "What is the capital of France?"
+
+bench: setup model
+	$(PY) benchmarks/bench_engine.py --model $(MODEL)
+
+clean:
+	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

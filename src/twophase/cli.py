@@ -1,0 +1,197 @@
+"""`twophase pull / generate / chat / serve / bench / report / estimate`.
+
+Each command module outside this file exposes ``register(subparsers)``; errors end as one line on stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from twophase.sampling_params import InvalidRequestError, SamplingParams
+
+# modules that add their own subcommands (each defines register(subparsers))
+COMMAND_MODULES = ("twophase.server.cli", "twophase.bench.cli", "twophase.report.cli")
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by every command that loads a model."""
+    from twophase.loader import DEFAULT_MODEL
+
+    parser.add_argument("--model", "-m", default=DEFAULT_MODEL, help="store name, HF directory or .gguf path")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu", help="cpu or cuda")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 512MiB, 2GiB")
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--no-chunked-prefill", action="store_true")
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def parse_bytes(text: str) -> int:
+    """'512MiB' / '2GiB' / '1000000' → bytes."""
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9, "b": 1}
+    lowered = text.strip().lower()
+    for suffix, factor in units.items():
+        if lowered.endswith(suffix):
+            return int(float(lowered[: -len(suffix)]) * factor)
+    return int(lowered)
+
+
+def engine_config_from_args(args: argparse.Namespace):
+    """EngineConfig from the shared engine options."""
+    from twophase.config import CacheConfig, EngineConfig, SchedulerConfig
+
+    cache = CacheConfig(
+        block_size=args.block_size,
+        kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory),
+        enable_prefix_caching=not args.no_prefix_caching,
+    )
+    scheduler = SchedulerConfig(
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_chunked_prefill=not args.no_chunked_prefill,
+        max_waiting_requests=getattr(args, "max_waiting_requests", None),
+    )
+    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, cache=cache, scheduler=scheduler)
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    """Sampling options of generate / chat."""
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--sampling-seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[])
+
+
+def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
+    """SamplingParams from the sampling options (validated)."""
+    return SamplingParams(
+        temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, max_tokens=args.max_tokens, seed=args.sampling_seed,
+        stop=args.stop,
+    )  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line."""
+    parser = argparse.ArgumentParser(prog="twophase", description="LLM inference that measures prefill and decode apart")
+    sub = parser.add_subparsers(dest="command", required=True)
+    pull = sub.add_parser("pull", help="fetch a model into the store")
+    pull.add_argument("name", nargs="?", default=None)
+    pull.set_defaults(func=cmd_pull)
+    for name, func, text in (("generate", cmd_generate, "generate from one prompt"), ("chat", cmd_chat, "interactive chat")):
+        p = sub.add_parser(name, help=text)
+        add_engine_arguments(p)
+        add_sampling_arguments(p)
+        if name == "generate":
+            p.add_argument("prompt")
+            p.add_argument("--raw", action="store_true", help="send the text as is (no chat template)")
+        p.set_defaults(func=func)
+    for module_name in COMMAND_MODULES:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            continue
+        module.register(sub)
+    return parser
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    """twophase pull NAME."""
+    from twophase.loader import DEFAULT_MODEL, pull
+
+    path = pull(args.name or DEFAULT_MODEL)
+    print(path)
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """twophase generate PROMPT: stream text, then a phase summary."""
+    from twophase.engine.llm import LLM
+
+    params = sampling_params_from_args(args)
+    if not args.prompt.strip():
+        raise InvalidRequestError("prompt must not be empty", "prompt")
+    llm = LLM.from_engine_config(engine_config_from_args(args))
+    prompt = args.prompt
+    if not args.raw and llm.tokenizer.has_chat_template:
+        prompt = llm.render_chat([{"role": "user", "content": args.prompt}])
+    stream_to_terminal(llm, prompt, params)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """twophase chat: a conversation on the terminal (empty line or EOF ends it)."""
+    from twophase.engine.llm import LLM
+
+    params = sampling_params_from_args(args)
+    llm = LLM.from_engine_config(engine_config_from_args(args))
+    messages: list[dict] = []
+    while True:
+        try:
+            text = input("> ")
+        except EOFError:
+            break
+        if not text.strip():
+            break
+        messages.append({"role": "user", "content": text})
+        reply = stream_to_terminal(llm, llm.render_chat(messages), params)
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def stream_to_terminal(llm, prompt, params: SamplingParams) -> str:
+    """Print text as it streams, then the one-line phase summary; returns the full text."""
+    from twophase.metrics.timeline import request_metrics
+
+    final = None
+    for output in llm.stream(prompt, params):
+        sys.stdout.write(output.new_text)
+        sys.stdout.flush()
+        final = output
+    sys.stdout.write("\n")
+    m = request_metrics(final.timeline)
+    decode_rate = (m.num_output_tokens - 1) / m.decode_time if m.decode_time else float("nan")
+    print(
+        f"[prompt {len(final.prompt_token_ids)} tok, cached {final.num_cached_tokens} | TTFT {m.ttft * 1000:.1f} ms | "
+        f"decode {m.num_output_tokens} tok at {decode_rate:.1f} tok/s | finish {final.finish_reason}]",
+        file=sys.stderr,
+    )
+    return final.text
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: run a command, turning expected errors into one line."""
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # noqa: BLE001 — every error ends as one clear line
+        if _is_user_error(exc):
+            print(f"twophase: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+def _is_user_error(exc: Exception) -> bool:
+    from twophase.config import ConfigError
+
+    names = {"ModelLoadError", "ModelNotFoundError", "InvalidRequestError", "StoreError"}
+    return isinstance(exc, (InvalidRequestError, ConfigError, FileNotFoundError, ValueError)) or type(exc).__name__ in names
+
+
+if __name__ == "__main__":
+    sys.exit(main())

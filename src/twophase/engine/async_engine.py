@@ -1,0 +1,202 @@
+"""The engine for servers: the step loop runs in a background thread; each request gets an async stream.
+
+Requests are validated on the caller's side (``LLMEngine.make_request`` touches no state), then handed to the
+loop thread, which alone mutates the engine. Outputs travel back through ``loop.call_soon_threadsafe``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import AsyncIterator, Callable, Protocol
+
+from twophase.engine.llm_engine import LLMEngine
+from twophase.engine.scheduler import QueueFullError
+from twophase.outputs import EngineStats, RequestOutput, StepRecord
+from twophase.request import Request
+from twophase.sampling_params import SamplingParams
+
+
+class EngineDeadError(RuntimeError):
+    """The step loop stopped on an internal error; the server should report 500 and restart."""
+
+
+class StatLogger(Protocol):
+    """Receives every step's record, the outputs that finished in it, and a stats snapshot (loop thread)."""
+
+    def record(self, step: StepRecord | None, finished: list[RequestOutput], stats: EngineStats) -> None: ...
+
+
+@dataclass
+class _Stream:
+    queue: asyncio.Queue
+    loop: asyncio.AbstractEventLoop
+
+
+class AsyncLLM:
+    """Owns an LLMEngine and its step-loop thread."""
+
+    def __init__(self, engine: LLMEngine, idle_poll_s: float = 0.05) -> None:
+        self.engine = engine
+        self.stat_loggers: list[StatLogger] = []
+        self.idle_poll_s = idle_poll_s
+        self.last_loop_time = time.monotonic()  # the loop's heartbeat (updated when idle too)
+        self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}
+        self._num_pending = 0
+        self._wakeup = threading.Event()
+        self._stop = threading.Event()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="twophase-engine", daemon=True)
+
+    # ---- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the step loop."""
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the loop (in-flight requests are aborted) and join the thread."""
+        self._stop.set()
+        self._wakeup.set()
+        self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        """True while the loop thread is alive and healthy."""
+        return self._thread.is_alive() and self._error is None
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests accepted and not yet finished."""
+        return len(self._streams)
+
+    # ---- requests --------------------------------------------------------------------------------
+    async def generate(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams,
+        request_id: str,
+        cache_salt: str | None = None,
+        detokenize: bool = True,
+    ) -> AsyncIterator[RequestOutput]:
+        """Yield one RequestOutput per step for this request. Validation errors raise before the first yield;
+        leaving the iterator early (client gone) aborts the request."""
+        request = self.make_request(prompt, params, request_id, cache_salt)
+        stream = self.submit(request, detokenize)
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            if not finished:
+                self.abort(request_id)
+
+    def make_request(self, prompt, params: SamplingParams, request_id: str, cache_salt: str | None = None) -> Request:
+        """Validate (raises InvalidRequestError / QueueFullError) without queuing."""
+        if self._error is not None or not self._thread.is_alive():
+            raise EngineDeadError("the engine loop is not running")
+        limit = self.engine.scheduler_config.max_waiting_requests
+        if limit is not None and self._num_pending + len(self.engine.scheduler.waiting) >= limit:
+            raise QueueFullError(f"waiting queue full ({limit} requests)")
+        return self.engine.make_request(prompt, params, request_id, cache_salt)
+
+    def submit(self, request: Request, detokenize: bool = True) -> asyncio.Queue:
+        """Hand a validated request to the loop; returns the queue its outputs arrive on."""
+        stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
+        self._streams[request.request_id] = stream
+        self._num_pending += 1
+        self._commands.put(("add", (request, detokenize)))
+        self._wakeup.set()
+        return stream.queue
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (from any thread); its blocks are freed at the loop's next iteration."""
+        self._streams.pop(request_id, None)
+        self._commands.put(("abort", request_id))
+        self._wakeup.set()
+
+    def call_in_loop(self, fn: Callable[[LLMEngine], object]) -> None:
+        """Run ``fn(engine)`` on the loop thread between steps (e.g. a prefix-cache reset)."""
+        self._commands.put(("call", fn))
+        self._wakeup.set()
+
+    # ---- the loop --------------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.last_loop_time = time.monotonic()
+                self._apply_commands()
+                if not self.engine.has_unfinished_requests():
+                    self._wakeup.wait(self.idle_poll_s)
+                    self._wakeup.clear()
+                    continue
+                self._step_once()
+            self._abort_all()
+        except BaseException as exc:  # noqa: BLE001 — surfaced to every waiting stream
+            self._error = exc
+            self._fail_all(EngineDeadError(f"engine loop failed: {exc!r}"))
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, arg = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._add(*arg)
+            elif kind == "abort":
+                self._emit_abort(arg)
+            else:
+                arg(self.engine)
+
+    def _add(self, request: Request, detokenize: bool) -> None:
+        self._num_pending -= 1
+        if request.request_id not in self._streams:
+            return  # aborted before it reached the loop
+        try:
+            self.engine.enqueue(request, detokenize=detokenize)
+        except Exception as exc:  # noqa: BLE001 — e.g. the queue filled meanwhile
+            self._push(request.request_id, exc)
+
+    def _emit_abort(self, request_id: str) -> None:
+        output = self.engine.abort_request(request_id)
+        if output is not None:
+            self._push(request_id, output)
+            self._log(None, [output])
+
+    def _step_once(self) -> None:
+        num_records = len(self.engine.step_records)
+        outputs = self.engine.step()
+        for output in outputs:
+            self._push(output.request_id, output)
+        step = self.engine.step_records[-1] if len(self.engine.step_records) > num_records else None
+        self._log(step, [o for o in outputs if o.finished])
+
+    def _log(self, step: StepRecord | None, finished: list[RequestOutput]) -> None:
+        if self.stat_loggers:
+            stats = self.engine.stats()
+            for logger in self.stat_loggers:
+                logger.record(step, finished, stats)
+
+    def _push(self, request_id: str, item: object) -> None:
+        stream = self._streams.get(request_id)
+        if stream is None:
+            return
+        if isinstance(item, BaseException) or getattr(item, "finished", False):
+            self._streams.pop(request_id, None)
+        stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._streams):
+            self._emit_abort(request_id)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        for request_id in list(self._streams):
+            self._push(request_id, exc)

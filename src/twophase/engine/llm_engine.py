@@ -1,0 +1,182 @@
+"""The synchronous engine: admission, the three-line step, and the per-step records."""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import time
+
+import torch
+
+from twophase.config import EngineConfig, ModelConfig
+from twophase.engine.model_runner import ModelRunner
+from twophase.engine.output_processor import OutputProcessor
+from twophase.engine.scheduler import Scheduler
+from twophase.kv_cache.block_manager import BlockManager
+from twophase.loader import open_model_source
+from twophase.outputs import EngineStats, RequestOutput, StepRecord
+from twophase.request import Request, RequestStatus
+from twophase.sampling_params import InvalidRequestError, SamplingParams
+from twophase.tokenizer import load_tokenizer
+
+MAX_STEP_RECORDS = 100_000
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' → float32 on CPU, bfloat16 on CUDA; otherwise the named dtype."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtypes = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+              "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}  # fmt: skip
+    if name not in dtypes:
+        raise ValueError(f"unknown dtype {name!r}; choose auto, float32, bfloat16 or float16")
+    return dtypes[name]
+
+
+class LLMEngine:
+    """Loads a model and steps requests through it. Not thread-safe: one caller drives ``step``."""
+
+    def __init__(self, config: EngineConfig, progress: bool = True) -> None:
+        self.config = config
+        source = open_model_source(config.model)
+        self.model_config: ModelConfig = source.config
+        self.tokenizer = load_tokenizer(source)
+        self.device = torch.device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        max_model_len = min(config.scheduler.max_model_len, self.model_config.max_position_embeddings)
+        self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
+        torch.manual_seed(config.seed)
+        self.model_runner = ModelRunner(
+            self.model_config, source.iter_weights(progress=progress), config.cache, max_model_len,
+            self.dtype, self.device, seed=config.seed,
+        )  # fmt: skip
+        block_manager = BlockManager(
+            self.model_runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(self.scheduler_config, block_manager)
+        self.output_processor = OutputProcessor(self.tokenizer.backend)
+        self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
+        self.step_records: collections.deque[StepRecord] = collections.deque(maxlen=MAX_STEP_RECORDS)
+        self._ids = itertools.count()
+
+    @property
+    def max_model_len(self) -> int:
+        """Longest prompt + output the engine accepts."""
+        return self.scheduler_config.max_model_len
+
+    def add_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+        detokenize: bool = True,
+    ) -> Request:
+        """Validate and queue a request; raises InvalidRequestError (nothing changed) on bad input."""
+        request = self.make_request(prompt, params, request_id, cache_salt, arrival_time)
+        self.enqueue(request, detokenize=detokenize)
+        return request
+
+    def make_request(
+        self,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        cache_salt: str | None = None,
+        arrival_time: float | None = None,
+    ) -> Request:
+        """Build and fully validate a Request without touching engine state (safe from any thread)."""
+        params = params or SamplingParams()
+        params.validate()
+        prompt_token_ids = self.tokenize_prompt(prompt)
+        request = Request(
+            request_id if request_id is not None else f"req-{next(self._ids)}",
+            prompt_token_ids, params, arrival_time=arrival_time, cache_salt=cache_salt,
+            eos_token_ids=self.eos_token_ids,
+        )  # fmt: skip
+        self.scheduler.check_feasible(request)
+        return request
+
+    def enqueue(self, request: Request, detokenize: bool = True) -> None:
+        """Queue a request made by ``make_request`` (mutates the scheduler: call from the stepping thread)."""
+        self.scheduler.add_request(request)
+        self.model_runner.add_request(request)
+        self.output_processor.add_request(request, detokenize=detokenize)
+
+    def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a text prompt, or validated caller-given ids."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise InvalidRequestError("prompt must not be empty", "prompt")
+            return self.tokenizer.encode(prompt)
+        ids = list(prompt)
+        if not ids:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"token id {bad[0]!r} is outside the vocabulary [0, {vocab})", "prompt")
+        return ids
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a waiting or running request and free its blocks at once."""
+        request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
+        if request is None:
+            return None
+        self.model_runner.remove_request(request_id)
+        return self.output_processor.abort(request)
+
+    def has_unfinished_requests(self) -> bool:
+        """True while anything waits or runs."""
+        return self.scheduler.has_unfinished
+
+    def stats(self) -> EngineStats:
+        """Current gauges and counters."""
+        bm = self.scheduler.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_blocks_in_use=bm.num_blocks_in_use,
+            num_blocks_total=bm.num_blocks,
+            prefix_cache_queries=bm.stats.num_queries,
+            prefix_cache_hits=bm.stats.num_hits,
+            num_preemptions=self.scheduler.num_preemptions,
+        )
+
+    def step(self) -> list[RequestOutput]:
+        """Schedule, run the model once, and turn the results into outputs."""
+        start = time.monotonic()
+        scheduler_output = self.scheduler.schedule()
+        runner_output = self.model_runner.execute(scheduler_output)
+        updates = self.scheduler.update(scheduler_output, runner_output)
+        outputs = [self._finish_output(update) for update in updates]
+        self._record_step(scheduler_output, start)
+        return outputs
+
+    def _finish_output(self, update) -> RequestOutput:
+        output, stop_hit = self.output_processor.process(update)
+        if stop_hit:
+            self.scheduler.finish_request(update.request.request_id, RequestStatus.FINISHED_STOPPED)
+        if output.finished:
+            self.model_runner.remove_request(update.request.request_id)
+        return output
+
+    def _record_step(self, scheduler_output, start: float) -> None:
+        if not scheduler_output.scheduled and not scheduler_output.preempted_request_ids:
+            return
+        self.step_records.append(
+            StepRecord(
+                step_id=scheduler_output.step_id,
+                start_time=start,
+                duration=time.monotonic() - start,
+                num_prompt_tokens=scheduler_output.num_prompt_tokens,
+                num_decode_tokens=scheduler_output.num_decode_tokens,
+                num_requests=len(scheduler_output.scheduled),
+                num_blocks_in_use=self.scheduler.block_manager.num_blocks_in_use,
+                num_blocks_total=self.scheduler.block_manager.num_blocks,
+                num_waiting=len(self.scheduler.waiting),
+                num_preempted=len(scheduler_output.preempted_request_ids),
+            )
+        )

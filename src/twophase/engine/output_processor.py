@@ -1,0 +1,83 @@
+"""Turns per-step token updates into RequestOutputs: incremental detokenization, stop strings, logprobs."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from twophase.engine.scheduler import StepUpdate
+from twophase.outputs import RequestOutput, TokenLogprobs
+from twophase.request import Request
+from twophase.tokenizer.detokenizer import IncrementalDetokenizer
+
+
+@dataclass
+class _RequestState:
+    detokenizer: IncrementalDetokenizer | None
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+class OutputProcessor:
+    """Keeps one detokenizer per live request; reports requests that hit a stop string."""
+
+    def __init__(self, tokenizer_backend) -> None:
+        self.tokenizer_backend = tokenizer_backend
+        self.states: dict[str, _RequestState] = {}
+
+    def add_request(self, request: Request, detokenize: bool = True) -> None:
+        """Start tracking a request."""
+        params = request.sampling_params
+        detokenizer = None
+        if detokenize and self.tokenizer_backend is not None:
+            detokenizer = IncrementalDetokenizer(
+                self.tokenizer_backend,
+                request.prompt_token_ids,
+                stop=params.stop,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        self.states[request.request_id] = _RequestState(detokenizer)
+
+    def process(self, update: StepUpdate) -> tuple[RequestOutput, bool]:
+        """RequestOutput for one update, and whether a stop string was hit (the caller must finish it)."""
+        request = update.request
+        state = self.states[request.request_id]
+        state.logprobs.extend(update.new_logprobs)
+        new_text, stop_hit = "", False
+        if state.detokenizer is not None:
+            new_text = state.detokenizer.add_tokens(update.new_token_ids)
+            stop_hit = state.detokenizer.stop_reason is not None and not update.finished
+            if update.finished or stop_hit:
+                new_text += state.detokenizer.flush()
+        finished = update.finished or stop_hit
+        output = self._output(request, update.new_token_ids, new_text, finished, "stop" if stop_hit else None)
+        if finished:
+            self.states.pop(request.request_id, None)
+        return output, stop_hit
+
+    def abort(self, request: Request) -> RequestOutput:
+        """Final output of an aborted request."""
+        state = self.states.pop(request.request_id, None)
+        new_text = state.detokenizer.flush() if state and state.detokenizer else ""
+        return self._output(request, [], new_text, True, "abort", state)
+
+    def _output(self, request, new_token_ids, new_text, finished, reason, state=None) -> RequestOutput:
+        state = state or self.states.get(request.request_id)
+        detok = state.detokenizer if state else None
+        finish_reason = (reason or request.status.value) if finished else None
+        stop_reason = detok.stop_reason if detok is not None and detok.stop_reason else None
+        if stop_reason is None and finished and finish_reason == "stop" and request.output_token_ids:
+            last = request.output_token_ids[-1]
+            stop_reason = last if last in request.sampling_params.stop_token_ids else None
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=detok.text if detok is not None else "",
+            new_token_ids=list(new_token_ids),
+            new_text=new_text,
+            finished=finished,
+            finish_reason=finish_reason,
+            num_cached_tokens=request.num_cached_tokens,
+            timeline=request.timeline,
+            logprobs=list(state.logprobs) if state else [],
+            stop_reason=stop_reason,
+        )

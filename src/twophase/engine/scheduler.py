@@ -1,0 +1,218 @@
+"""Continuous batching: one flat batch per step under a token budget, with chunked prefill,
+prefix caching and preemption by recompute. No torch here."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from twophase.config import SchedulerConfig
+from twophase.kv_cache.block_manager import BlockManager
+from twophase.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from twophase.request import Request, RequestStatus, ScheduledEvent
+from twophase.sampling_params import InvalidRequestError
+
+
+class QueueFullError(RuntimeError):
+    """The waiting queue is at its limit; the caller should retry later."""
+
+
+@dataclass
+class StepUpdate:
+    """What one step did to one request: the tokens it gained and whether it finished."""
+
+    request: Request
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprobs]
+    finished: bool
+
+
+class Scheduler:
+    """Owns the waiting queue, the running list and the block manager."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._step_id = 0
+
+    # ---- admission -------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a request, or raise (changing nothing) if it can never run or the queue is full."""
+        self.check_feasible(request)
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.waiting) >= limit:
+            raise QueueFullError(f"waiting queue full ({limit} requests)")
+        if request.request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request.request_id!r}", "request_id")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def check_feasible(self, request: Request) -> None:
+        """Reject a request that could never fit the model length or the KV pool."""
+        max_len = self.config.max_model_len
+        if request.num_prompt_tokens == 0:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        if request.num_prompt_tokens >= max_len:
+            raise InvalidRequestError(
+                f"prompt has {request.num_prompt_tokens} tokens; the context length is {max_len}", "prompt"
+            )
+        if request.max_output_tokens is None:
+            request.max_output_tokens = max_len - request.num_prompt_tokens
+        total = request.num_prompt_tokens + request.max_output_tokens
+        if total > max_len:
+            raise InvalidRequestError(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_output_tokens}) "
+                f"exceeds the context length {max_len}",
+                "max_tokens",
+            )
+        num_blocks = self.block_manager.num_blocks_for(total)
+        if num_blocks > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"request needs {num_blocks} KV blocks; the cache has {self.block_manager.num_blocks}", "max_tokens"
+            )
+
+    # ---- scheduling ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Build this step's batch: running requests first, then waiting ones (FCFS)."""
+        now = time.monotonic()
+        output = SchedulerOutput(step_id=self._step_id)
+        self._step_id += 1
+        budget = self._schedule_running(output, self.config.max_num_batched_tokens, now)
+        if not output.preempted_request_ids:
+            self._schedule_waiting(output, budget, now)
+        output.num_blocks_in_use = self.block_manager.num_blocks_in_use
+        return output
+
+    def _schedule_running(self, output: SchedulerOutput, budget: int, now: float) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.block_manager.allocate_slots(request, num_new):
+                victim = self.running.pop()
+                self._preempt(victim, output)
+                if victim is request:
+                    break
+            else:
+                self._add_scheduled(output, request, num_new, now)
+                budget -= num_new
+                index += 1
+        return budget
+
+    def _schedule_waiting(self, output: SchedulerOutput, budget: int, now: float) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks, num_hit_tokens = self.block_manager.get_computed_blocks(request)
+            num_new = request.num_tokens - num_hit_tokens
+            if not self.config.enable_chunked_prefill and num_new > budget:
+                break
+            num_new = min(num_new, budget)
+            request.num_computed_tokens = num_hit_tokens
+            if not self.block_manager.allocate_slots(request, num_new, hit_blocks):
+                request.num_computed_tokens = 0
+                break
+            self.waiting.popleft()
+            if request.status == RequestStatus.WAITING:
+                request.num_cached_tokens = num_hit_tokens
+                self.block_manager.record_lookup(request.num_prompt_tokens, num_hit_tokens)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            self._add_scheduled(output, request, num_new, now)
+            budget -= num_new
+
+    def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int, now: float) -> None:
+        start = request.num_computed_tokens
+        is_decode = num_new == 1 and request.num_output_tokens > 0 and start == request.num_tokens - 1
+        token_ids = request.all_token_ids[start : start + num_new]
+        output.scheduled.append(
+            ScheduledRequest(
+                request_id=request.request_id,
+                token_ids=token_ids,
+                start_position=start,
+                block_ids=self.block_manager.block_ids(request.request_id),
+                sample=start + num_new == request.num_tokens,
+                is_prompt=not is_decode,
+            )
+        )
+        request.timeline.scheduled.append(ScheduledEvent(now, num_new, not is_decode))
+
+    def _preempt(self, request: Request, output: SchedulerOutput) -> None:
+        self.block_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.timeline.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        output.preempted_request_ids.append(request.request_id)
+
+    # ---- results ---------------------------------------------------------------------------------
+    def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[StepUpdate]:
+        """Advance counters by the computed tokens, append sampled tokens, finish stopped requests."""
+        now = time.monotonic()
+        updates = []
+        for scheduled in scheduler_output.scheduled:
+            request = self.requests.get(scheduled.request_id)
+            if request is None or request.finished or request.status != RequestStatus.RUNNING:
+                continue  # aborted or preempted during the step
+            request.num_computed_tokens += len(scheduled.token_ids)
+            request.timeline.scheduled[-1].end_time = now
+            token_id = runner_output.sampled_token_ids.get(scheduled.request_id)
+            if not scheduled.sample or token_id is None:
+                continue
+            request.output_token_ids.append(token_id)
+            request.timeline.token_times.append(now)
+            logprobs = runner_output.logprobs.get(scheduled.request_id)
+            status = self._stop_status(request, token_id)
+            if status is not None:
+                self.finish_request(request.request_id, status)
+            updates.append(StepUpdate(request, [token_id], [logprobs] if logprobs else [], status is not None))
+        return updates
+
+    def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and token_id in request.eos_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+            if token_id in params.stop_token_ids:
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_output_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        if request.num_tokens >= self.config.max_model_len:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def finish_request(self, request_id: str, status: RequestStatus) -> Request | None:
+        """End a request (stop, length or abort): leave the queues, free its blocks. Idempotent."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.block_manager.free(request)
+        request.status = status
+        request.timeline.finish_time = time.monotonic()
+        request.timeline.finish_reason = status.value
+        return request
+
+    # ---- views -----------------------------------------------------------------------------------
+    @property
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def check_invariants(self) -> None:
+        """Assert the scheduler's and the block manager's books agree."""
+        self.block_manager.check_invariants(live_request_ids=set(self.requests))
+        assert len(self.running) <= self.config.max_num_seqs
+        for request in self.running:
+            assert request.status == RequestStatus.RUNNING
+        for request in self.waiting:
+            assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+            assert not self.block_manager.block_ids(request.request_id), "waiting request holds blocks"

@@ -1,0 +1,54 @@
+"""The one place where request timelines become latency metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from twophase.request import RequestTimeline
+
+
+@dataclass
+class RequestMetrics:
+    """Per-request phase times in seconds (None where the request never reached that point)."""
+
+    queue_time: float | None  # arrival → first scheduled
+    prefill_time: float | None  # first scheduled → first token
+    decode_time: float | None  # first token → last token
+    ttft: float | None  # arrival → first token
+    tpot: float | None  # (e2e − ttft) / (n − 1), n > 1
+    e2e: float | None  # arrival → last token (or finish)
+    itl: list[float] = field(default_factory=list)  # gaps between consecutive tokens
+    runnable_waiting_time: float | None = None  # admitted but not in a step (interference, preemption)
+    num_output_tokens: int = 0
+    num_preemptions: int = 0
+
+
+def request_metrics(timeline: RequestTimeline) -> RequestMetrics:
+    """Compute every per-request metric from a timeline."""
+    tokens = timeline.token_times
+    first_sched = timeline.first_scheduled_time
+    first_tok = tokens[0] if tokens else None
+    last = tokens[-1] if tokens else timeline.finish_time
+    e2e = last - timeline.arrival_time if last is not None else None
+    ttft = first_tok - timeline.arrival_time if first_tok is not None else None
+    tpot = (e2e - ttft) / (len(tokens) - 1) if len(tokens) > 1 and e2e is not None and ttft is not None else None
+    return RequestMetrics(
+        queue_time=first_sched - timeline.arrival_time if first_sched is not None else None,
+        prefill_time=first_tok - first_sched if first_tok is not None and first_sched is not None else None,
+        decode_time=tokens[-1] - tokens[0] if tokens else None,
+        ttft=ttft,
+        tpot=tpot,
+        e2e=e2e,
+        itl=[b - a for a, b in zip(tokens, tokens[1:])],
+        runnable_waiting_time=_runnable_waiting(timeline, last),
+        num_output_tokens=len(tokens),
+        num_preemptions=timeline.num_preemptions,
+    )
+
+
+def _runnable_waiting(timeline: RequestTimeline, end: float | None) -> float | None:
+    first = timeline.first_scheduled_time
+    if first is None or end is None:
+        return None
+    busy = sum((e.end_time or e.time) - e.time for e in timeline.scheduled)
+    return max(0.0, (end - first) - busy)

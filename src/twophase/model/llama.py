@@ -1,0 +1,157 @@
+"""Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2) over a flat token batch with a paged KV cache.
+
+One forward for every mix of prefill chunks and decode tokens: shapes are [num_tokens, ...] throughout.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from twophase.config import ModelConfig
+from twophase.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
+from twophase.model.layers import RMSNorm, RotaryEmbedding
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention with a fused QKV projection."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=config.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.backend = backend
+
+    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache: tuple[torch.Tensor, torch.Tensor], meta):
+        """x [T, hidden] → [T, hidden]."""
+        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
+        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = rotary(positions, q, k)
+        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, H, D]
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU MLP with a fused gate/up projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, hidden] → [T, hidden]."""
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, inter] each
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm attention + MLP block."""
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
+        """x [T, hidden] → [T, hidden]."""
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    """The whole decoder plus LM head (tied or untied)."""
+
+    def __init__(self, config: ModelConfig, max_positions: int, backend: AttentionBackend | None = None) -> None:
+        super().__init__()
+        self.config = config
+        backend = backend or TorchPagedAttention(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config, max_positions)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: ([slots, KVH, D], [slots, KVH, D])
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        """Hidden states of every token of the flat batch."""
+        x = self.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, kv_cache, meta)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, hidden] → logits [N, vocab]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return hidden @ weight.t()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises on missing or unexpected names."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for hf_name, tensor in weights:
+            name, shard = _map_hf_name(hf_name)
+            if name == "lm_head.weight" and self.lm_head is None:
+                continue  # a tied checkpoint may still carry the head
+            if name not in params:
+                raise KeyError(f"unexpected weight {hf_name!r}")
+            _copy_shard(params[name], tensor, shard, self.config)
+            loaded.add(f"{name}:{shard}")
+        expected = {f"{n}:{s}" for n in params for s in _shards_of(n)}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise KeyError(f"weights missing from the checkpoint: {missing[:5]}{' …' if len(missing) > 5 else ''}")
+
+
+_FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+          "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}  # fmt: skip
+
+
+def _map_hf_name(hf_name: str) -> tuple[str, str]:
+    name = hf_name.removeprefix("model.")
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part in _FUSED:
+            fused, shard = _FUSED[part]
+            parts[i] = fused
+            return ".".join(parts), shard
+    return name, "all"
+
+
+def _shards_of(name: str) -> tuple[str, ...]:
+    if ".qkv_proj." in name:
+        return ("q", "k", "v")
+    if ".gate_up_proj." in name:
+        return ("gate", "up")
+    return ("all",)
+
+
+def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: str, config: ModelConfig) -> None:
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    f = config.intermediate_size
+    offsets = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv), "gate": (0, f), "up": (f, f)}
+    target = param.data if shard == "all" else param.data.narrow(0, *offsets[shard])
+    if tuple(target.shape) != tuple(tensor.shape):
+        raise ValueError(f"shape mismatch for {shard} of a {tuple(param.shape)} parameter: got {tuple(tensor.shape)}")
+    with torch.no_grad():
+        target.copy_(tensor.to(target.dtype))

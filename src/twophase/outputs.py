@@ -1,0 +1,129 @@
+"""Plain dataclasses crossing the boundaries: scheduler → runner → scheduler → caller."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from twophase.request import RequestTimeline
+
+
+@dataclass
+class ScheduledRequest:
+    """The work given to one request in one step."""
+
+    request_id: str
+    token_ids: list[int]  # the new tokens whose K/V this step computes
+    start_position: int  # == the request's num_computed_tokens before this step
+    block_ids: list[int]  # the request's whole block table after allocation
+    sample: bool  # True when this chunk reaches the last known token: the step yields a new token
+    is_prompt: bool  # True when the tokens are prompt tokens (prefill / chunked prefill)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's flat batch, in order: decode tokens of running requests, then prompt chunks."""
+
+    step_id: int
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_request_ids: list[str] = field(default_factory=list)
+    num_blocks_in_use: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        """Total tokens in the batch."""
+        return sum(len(s.token_ids) for s in self.scheduled)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens of prompts (prefill work)."""
+        return sum(len(s.token_ids) for s in self.scheduled if s.is_prompt)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        """Generated tokens fed back (decode work)."""
+        return sum(len(s.token_ids) for s in self.scheduled if not s.is_prompt)
+
+    @property
+    def phase(self) -> str:
+        """'prefill', 'decode', 'mixed' or 'idle': a fact about the step, not a code path."""
+        p, d = self.num_prompt_tokens, self.num_decode_tokens
+        if p and d:
+            return "mixed"
+        return "prefill" if p else ("decode" if d else "idle")
+
+
+@dataclass
+class TokenLogprobs:
+    """Logprob of a sampled token and the top-n alternatives."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, logprob), best first
+
+
+@dataclass
+class ModelRunnerOutput:
+    """Sampled tokens for the requests whose ``sample`` flag was set."""
+
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+
+
+@dataclass
+class RequestOutput:
+    """What a caller sees after each step for one request (cumulative fields + the delta)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # all generated token ids so far
+    text: str  # all generated text so far (stop string excluded)
+    new_token_ids: list[int]
+    new_text: str
+    finished: bool
+    finish_reason: str | None  # 'stop' | 'length' | 'abort'
+    num_cached_tokens: int
+    timeline: RequestTimeline
+    logprobs: list[TokenLogprobs] = field(default_factory=list)  # for all generated tokens so far
+    stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+
+
+@dataclass
+class StepRecord:
+    """One engine step, as every plot, trace and benchmark reads it."""
+
+    step_id: int
+    start_time: float  # monotonic seconds
+    duration: float
+    num_prompt_tokens: int
+    num_decode_tokens: int
+    num_requests: int
+    num_blocks_in_use: int
+    num_blocks_total: int
+    num_waiting: int = 0
+    num_preempted: int = 0
+
+    @property
+    def phase(self) -> str:
+        """'prefill', 'decode', 'mixed' or 'idle'."""
+        p, d = self.num_prompt_tokens, self.num_decode_tokens
+        if p and d:
+            return "mixed"
+        return "prefill" if p else ("decode" if d else "idle")
+
+
+@dataclass
+class EngineStats:
+    """A snapshot of the engine's gauges and counters (read by metrics exporters)."""
+
+    num_running: int
+    num_waiting: int
+    num_blocks_in_use: int
+    num_blocks_total: int
+    prefix_cache_queries: int  # prompt tokens looked up
+    prefix_cache_hits: int  # prompt tokens found cached
+    num_preemptions: int
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """Fraction of KV blocks in use (0..1)."""
+        return self.num_blocks_in_use / self.num_blocks_total if self.num_blocks_total else 0.0

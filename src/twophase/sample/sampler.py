@@ -1,0 +1,283 @@
+"""Batched sampler: one call turns a batch of logits into one token (and optional logprobs) per request.
+
+Order of operations (vLLM/HF compatible):
+
+1. repetition penalty over prompt + output tokens (positive logits divided, negative multiplied),
+2. frequency and presence penalties over output tokens (OpenAI semantics),
+3. min_tokens: EOS ids (unless ``ignore_eos``) and ``stop_token_ids`` are masked while the output is short,
+4. ``temperature == 0`` rows take the argmax of the processed logits (no RNG is touched),
+5. other rows: temperature, top-k, top-p, min-p, then an exponential race
+   (``argmax(probs / q)`` with ``q ~ Exponential(1)`` drawn per row) so a seeded row draws only from its own
+   generator and its tokens do not depend on its batch neighbours or row index.
+
+``ignore_eos`` does not mask EOS (as in vLLM): the scheduler simply does not stop on it.
+Logprobs are computed from the raw distribution (log_softmax of the unprocessed logits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from twophase.outputs import TokenLogprobs
+from twophase.sampling_params import SamplingParams
+
+_MIN_EXPONENTIAL = 1e-10  # q is clamped so probs / q is never 0 / 0
+TOP_P_WINDOW = 256  # top-p candidates taken with topk before falling back to a full sort
+
+
+@dataclass
+class SamplingState:
+    """Per-request sampling state, owned by the model runner for the life of the request.
+
+    ``output_token_ids`` is the very list the request holds; the sampler reads it, never writes it.
+    The private caches (prompt mask, output counts) are built lazily and only when penalties are used.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
+    eos_token_ids: tuple[int, ...]
+    generator: torch.Generator | None  # seeded from params.seed; None: the sampler's default generator
+    _prompt_mask: torch.Tensor | None = field(default=None, repr=False)  # [vocab] bool
+    _output_counts: torch.Tensor | None = field(default=None, repr=False)  # [vocab] int32
+    _num_counted: int = field(default=0, repr=False)
+
+    @property
+    def needs_penalties(self) -> bool:
+        """True when any penalty changes the logits."""
+        p = self.params
+        return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+    def min_tokens_mask_ids(self) -> list[int]:
+        """Token ids to mask this step because ``min_tokens`` is not reached yet (empty when none)."""
+        if len(self.output_token_ids) >= self.params.min_tokens:
+            return []
+        ids = list(self.params.stop_token_ids)
+        if not self.params.ignore_eos:
+            ids.extend(self.eos_token_ids)
+        return ids
+
+    def prompt_mask(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """Which vocab ids occur in the prompt. Returns [vocab] bool (cached)."""
+        if self._prompt_mask is None:
+            mask = torch.zeros(vocab_size + 1, dtype=torch.bool, device=device)  # last slot: out-of-range ids
+            ids = torch.tensor(self.prompt_token_ids, dtype=torch.long, device=device).clamp_(0, vocab_size)
+            mask[ids] = True
+            self._prompt_mask = mask[:vocab_size]
+        return self._prompt_mask
+
+    def output_counts(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """How often each vocab id occurs in the output. Returns [vocab] int32, updated incrementally."""
+        num_output = len(self.output_token_ids)
+        if self._output_counts is None or num_output < self._num_counted:
+            self._output_counts = torch.zeros(vocab_size + 1, dtype=torch.int32, device=device)
+            self._num_counted = 0
+        if num_output > self._num_counted:
+            new_ids = self.output_token_ids[self._num_counted :]
+            index = torch.tensor(new_ids, dtype=torch.long, device=device).clamp_(0, vocab_size)  # [num_new]
+            ones = torch.ones(len(new_ids), dtype=torch.int32, device=device)  # [num_new]
+            self._output_counts.index_add_(0, index, ones)
+            self._num_counted = num_output
+        return self._output_counts[:vocab_size]
+
+
+@dataclass
+class SamplerOutput:
+    """One sampled token per row, and logprobs for rows whose params ask for them."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+class Sampler:
+    """Samples one token per row of a ``[num_reqs, vocab]`` logits batch with per-request parameters."""
+
+    def __init__(self, vocab_size: int, device: torch.device | str = "cpu", seed: int = 0) -> None:
+        self.vocab_size = vocab_size
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def make_state(
+        self,
+        params: SamplingParams,
+        prompt_token_ids: list[int],
+        output_token_ids: list[int],
+        eos_token_ids: tuple[int, ...] | list[int],
+    ) -> SamplingState:
+        """Create the state for one request; seeds its own generator when ``params.seed`` is set."""
+        generator = None
+        if params.seed is not None and not params.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(params.seed)
+        return SamplingState(params, prompt_token_ids, output_token_ids, tuple(eos_token_ids), generator)
+
+    @torch.inference_mode()
+    def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
+        """Sample one token per row. ``logits``: [num_reqs, vocab(+padding)], any float dtype."""
+        if logits.shape[0] != len(states):
+            raise ValueError(f"{logits.shape[0]} logits rows for {len(states)} states")
+        raw_logits = logits[:, : self.vocab_size].float()  # [num_reqs, vocab]
+        logits = self._apply_penalties(raw_logits, states)  # [num_reqs, vocab], a copy when changed
+        logits = self._apply_min_tokens(logits, states, copy=logits is raw_logits)
+        token_ids = logits.argmax(dim=-1)  # [num_reqs]; final for greedy rows
+        sample_rows = [i for i, s in enumerate(states) if not s.params.greedy]
+        if sample_rows:
+            rows = torch.tensor(sample_rows, dtype=torch.long, device=logits.device)  # [num_sampled]
+            sampled = self._sample(logits[rows], [states[i] for i in sample_rows])  # [num_sampled]
+            token_ids[rows] = sampled
+        token_id_list = token_ids.tolist()
+        return SamplerOutput(token_id_list, self._logprobs(raw_logits, token_ids, states))
+
+    def _apply_penalties(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Repetition, frequency and presence penalties. logits: [num_reqs, vocab]."""
+        penalized = [i for i, s in enumerate(states) if s.needs_penalties]
+        if not penalized:
+            return logits
+        vocab, device = logits.shape[1], logits.device
+        rows = torch.tensor(penalized, dtype=torch.long, device=device)  # [num_pen]
+        sub = [states[i] for i in penalized]
+        counts = torch.stack([s.output_counts(vocab, device) for s in sub]).float()  # [num_pen, vocab]
+        seen = torch.stack([s.prompt_mask(vocab, device) for s in sub]) | (counts > 0)  # [num_pen, vocab]
+        rep = _column([s.params.repetition_penalty for s in sub], device)  # [num_pen, 1]
+        freq = _column([s.params.frequency_penalty for s in sub], device)  # [num_pen, 1]
+        pres = _column([s.params.presence_penalty for s in sub], device)  # [num_pen, 1]
+        x = logits[rows]  # [num_pen, vocab] (a copy)
+        rep = torch.where(seen, rep, torch.ones_like(x))  # [num_pen, vocab]
+        x = torch.where(x > 0, x / rep, x * rep)
+        x = x - freq * counts - pres * (counts > 0).float()
+        out = logits.clone()
+        out[rows] = x
+        return out
+
+    def _apply_min_tokens(self, logits: torch.Tensor, states: list[SamplingState], copy: bool) -> torch.Tensor:
+        """Mask stop/EOS ids of rows below ``min_tokens``. logits: [num_reqs, vocab]."""
+        vocab = logits.shape[1]
+        row_idx: list[int] = []
+        col_idx: list[int] = []
+        for i, state in enumerate(states):
+            ids = [t for t in state.min_tokens_mask_ids() if 0 <= t < vocab]
+            row_idx.extend([i] * len(ids))
+            col_idx.extend(ids)
+        if not row_idx:
+            return logits
+        if copy:
+            logits = logits.clone()
+        rows = torch.tensor(row_idx, dtype=torch.long, device=logits.device)  # [num_masked]
+        cols = torch.tensor(col_idx, dtype=torch.long, device=logits.device)  # [num_masked]
+        logits[rows, cols] = float("-inf")
+        return logits
+
+    def _sample(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Temperature, top-k, top-p, min-p, then the exponential race. logits: [n, vocab] → [n] ids."""
+        device, vocab = logits.device, logits.shape[1]
+        params = [s.params for s in states]
+        logits = logits / _column([p.temperature for p in params], device)  # [n, vocab]
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
+            logits = _apply_top_k_top_p(logits, top_k, top_p)
+        probs = logits.softmax(dim=-1)  # [n, vocab]
+        min_p = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_p):
+            threshold = _column(min_p, device) * probs.amax(dim=-1, keepdim=True)  # [n, 1]
+            probs = probs.masked_fill(probs < threshold, 0.0)  # ratio test: no need to renormalise
+        q = self._exponential(probs, states)  # [n, vocab]
+        return (probs / q).argmax(dim=-1)  # [n]
+
+    def _exponential(self, probs: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Exponential(1) noise, each seeded row from its own generator. Returns [n, vocab]."""
+        q = torch.empty_like(probs)  # [n, vocab]
+        seeded = [i for i, s in enumerate(states) if s.generator is not None]
+        if not seeded:
+            q.exponential_(generator=self.generator)
+        else:
+            for i in seeded:
+                q[i].exponential_(generator=states[i].generator)
+            unseeded = [i for i, s in enumerate(states) if s.generator is None]
+            if unseeded:
+                rows = torch.tensor(unseeded, dtype=torch.long, device=probs.device)  # [num_unseeded]
+                noise = torch.empty(len(unseeded), probs.shape[1], device=probs.device)  # [num_unseeded, vocab]
+                q[rows] = noise.exponential_(generator=self.generator)
+        return q.clamp_min_(_MIN_EXPONENTIAL)
+
+    def _logprobs(
+        self, raw_logits: torch.Tensor, token_ids: torch.Tensor, states: list[SamplingState]
+    ) -> list[TokenLogprobs | None]:
+        """Logprob of each sampled token and the top-n, from the raw logits [num_reqs, vocab]."""
+        result: list[TokenLogprobs | None] = [None] * len(states)
+        wanted = [i for i, s in enumerate(states) if s.params.logprobs is not None]
+        if not wanted:
+            return result
+        rows = torch.tensor(wanted, dtype=torch.long, device=raw_logits.device)  # [num_lp]
+        logprobs = raw_logits[rows].log_softmax(dim=-1)  # [num_lp, vocab]
+        chosen = token_ids[rows]  # [num_lp]
+        chosen_lp = logprobs.gather(1, chosen.unsqueeze(1)).squeeze(1).tolist()  # [num_lp]
+        chosen_ids = chosen.tolist()
+        max_n = min(max(states[i].params.logprobs or 0 for i in wanted), logprobs.shape[1])
+        top_lp, top_ids = logprobs.topk(max_n, dim=-1)  # [num_lp, max_n] each
+        top_lp_list, top_ids_list = top_lp.tolist(), top_ids.tolist()
+        for j, i in enumerate(wanted):
+            n = states[i].params.logprobs or 0
+            top = list(zip(top_ids_list[j][:n], top_lp_list[j][:n]))
+            result[i] = TokenLogprobs(chosen_ids[j], chosen_lp[j], top)
+        return result
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    """A [n, 1] float32 column for broadcasting per-row parameters."""
+    return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Keep the top-k, then the smallest set with cumulative prob >= top_p; mask the rest with -inf.
+
+    logits: [n, vocab]; ``top_k[i] == vocab`` and ``top_p[i] == 1`` disable the filters for row i. The best
+    token is always kept. To avoid a full-vocab sort (slow on CPU), candidates come from ``topk`` over a
+    window (k, or ``TOP_P_WINDOW`` for top-p alone); rows whose window holds less than top_p of the mass
+    fall back to a full sort.
+    """
+    device, vocab = logits.device, logits.shape[1]
+    rows = [i for i in range(logits.shape[0]) if top_k[i] < vocab or top_p[i] < 1.0]
+    width = min(vocab, max(top_k[i] if top_k[i] < vocab else TOP_P_WINDOW for i in rows))
+    row_index = torch.tensor(rows, dtype=torch.long, device=device)  # [m]
+    sub = logits[row_index]  # [m, vocab]
+    k = torch.tensor([top_k[i] for i in rows], dtype=torch.long, device=device)  # [m]
+    p = torch.tensor([top_p[i] for i in rows], dtype=torch.float32, device=device)  # [m]
+    values, indices = sub.topk(width, dim=-1)  # [m, width] each, best first
+    keep, resolved = _keep_mask(values, sub, k, p)
+    filtered = torch.full_like(sub, float("-inf")).scatter_(1, indices, values.masked_fill(~keep, float("-inf")))
+    if not bool(resolved.all()):
+        todo = (~resolved).nonzero().squeeze(1)  # [u]
+        values, indices = sub[todo].sort(dim=-1, descending=True)  # [u, vocab] each
+        keep, _ = _keep_mask(values, sub[todo], k[todo], p[todo])
+        filtered[todo] = torch.full_like(values, float("-inf")).scatter_(
+            1, indices, values.masked_fill(~keep, float("-inf"))
+        )
+    out = logits.clone()
+    out[row_index] = filtered
+    return out
+
+
+def _keep_mask(
+    values: torch.Tensor, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Which of the best-first candidates survive top-k then top-p, and which rows that settles.
+
+    values: [m, width] best first, from logits [m, vocab]; top_k, top_p: [m].
+    Returns keep [m, width] bool and resolved [m] bool (False: the cut may lie outside the window).
+    """
+    width = values.shape[1]
+    positions = torch.arange(width, device=values.device).unsqueeze(0)  # [1, width]
+    in_top_k = positions < top_k.unsqueeze(1)  # [m, width]
+    values = values.masked_fill(~in_top_k, float("-inf"))
+    all_in_window = top_k <= width  # [m]: the top-k mask leaves no mass outside the window
+    log_norm = torch.where(all_in_window, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))  # [m]
+    probs = (values - log_norm.unsqueeze(1)).exp()  # [m, width]
+    cumulative = probs.cumsum(dim=-1)  # [m, width]
+    no_top_p = (top_p >= 1.0).unsqueeze(1)  # [m, 1]
+    keep = in_top_k & (no_top_p | (cumulative - probs < top_p.unsqueeze(1)))  # [m, width]
+    resolved = all_in_window | (cumulative[:, -1] >= top_p)  # [m]
+    return keep, resolved

@@ -1,0 +1,180 @@
+"""Batched sampler: greedy, filters, seeds, penalties, min_tokens, logprobs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from twophase.sample import Sampler, SamplingState
+from twophase.sampling_params import SamplingParams
+
+VOCAB = 32
+EOS = 31
+
+
+def state(sampler: Sampler, output: list[int] | None = None, prompt: list[int] | None = None, **kw) -> SamplingState:
+    return sampler.make_state(SamplingParams(max_tokens=100, **kw), [1, 2, 3] if prompt is None else prompt, [] if output is None else output, (EOS,))
+
+
+def sample_many(sampler: Sampler, logits_row: torch.Tensor, num: int, **kw) -> set[int]:
+    """Draw ``num`` tokens from one logits row in a single batch of ``num`` identical rows."""
+    states = [state(sampler, **kw) for _ in range(num)]
+    return set(sampler(logits_row.expand(num, -1), states).token_ids)
+
+
+def test_greedy_is_argmax_and_ignores_seeds() -> None:
+    logits = torch.randn(6, VOCAB, generator=torch.Generator().manual_seed(0))
+    expected = logits.argmax(-1).tolist()
+    for seed in (0, 1, 2):
+        sampler = Sampler(VOCAB, seed=seed)
+        states = [state(sampler, temperature=0.0, seed=seed + i) for i in range(6)]
+        assert sampler(logits, states).token_ids == expected
+    half = Sampler(VOCAB)
+    assert half(logits.half(), [state(half, temperature=0.0) for _ in range(6)]).token_ids == expected
+
+
+def test_padded_vocab_columns_are_never_sampled() -> None:
+    sampler = Sampler(VOCAB)
+    logits = torch.zeros(1, VOCAB + 8)
+    logits[0, VOCAB + 3] = 100.0
+    assert sampler(logits, [state(sampler, temperature=0.0)]).token_ids[0] < VOCAB
+
+
+def test_top_k_only_samples_top_k() -> None:
+    logits = torch.linspace(0.0, 3.0, VOCAB)  # best ids are the highest
+    seen = sample_many(Sampler(VOCAB), logits, 2000, temperature=2.0, top_k=3)
+    assert seen == {VOCAB - 1, VOCAB - 2, VOCAB - 3}
+
+
+def test_top_p_keeps_smallest_set_reaching_p() -> None:
+    probs = torch.tensor([0.5, 0.3, 0.15, 0.05] + [0.0] * (VOCAB - 4))
+    logits = probs.clamp_min(1e-12).log()
+    assert sample_many(Sampler(VOCAB), logits, 2000, top_p=0.75) == {0, 1}
+    assert sample_many(Sampler(VOCAB), logits, 2000, top_p=0.85) == {0, 1, 2}
+    assert sample_many(Sampler(VOCAB), logits, 500, top_p=0.01) == {0}  # the best is always kept
+
+
+def test_min_p_drops_tokens_below_ratio() -> None:
+    probs = torch.tensor([0.4, 0.3, 0.2, 0.1] + [0.0] * (VOCAB - 4))
+    logits = probs.clamp_min(1e-12).log()
+    assert sample_many(Sampler(VOCAB), logits, 2000, min_p=0.45) == {0, 1, 2}  # 0.1 < 0.45 * 0.4
+
+
+def test_unfiltered_sampling_follows_distribution() -> None:
+    probs = torch.tensor([0.7, 0.2, 0.1] + [0.0] * (VOCAB - 3))
+    sampler = Sampler(VOCAB, seed=1)
+    num = 4000
+    states = [state(sampler) for _ in range(num)]
+    ids = torch.tensor(sampler(probs.clamp_min(1e-12).log().expand(num, -1), states).token_ids)
+    freq = torch.bincount(ids, minlength=VOCAB)[:3].float() / num
+    assert torch.allclose(freq, probs[:3], atol=0.03)
+
+
+def run_seeded(seed: int, batch_size: int, row: int, steps: int = 8) -> list[int]:
+    """Tokens of a seeded request at ``row`` of a batch, neighbours unseeded or differently seeded."""
+    sampler = Sampler(VOCAB, seed=1234 + batch_size)
+    gen = torch.Generator().manual_seed(99)
+    target = state(sampler, seed=seed, temperature=1.5)
+    states = [state(sampler, seed=None if i % 2 else 7 + i, top_k=5) for i in range(batch_size)]
+    states[row] = target
+    tokens = []
+    for _ in range(steps):
+        logits = torch.randn(batch_size, VOCAB, generator=gen)
+        logits[row] = torch.linspace(-1.0, 1.0, VOCAB)  # the target row sees the same logits each run
+        tokens.append(sampler(logits, states).token_ids[row])
+    return tokens
+
+
+def test_seed_is_independent_of_batch_and_row() -> None:
+    alone = run_seeded(seed=42, batch_size=1, row=0)
+    assert run_seeded(seed=42, batch_size=5, row=3) == alone
+    assert run_seeded(seed=42, batch_size=5, row=0) == alone
+    assert run_seeded(seed=43, batch_size=1, row=0) != alone
+
+
+def test_repetition_penalty_exact_values() -> None:
+    sampler = Sampler(8)
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0, 1.0, 0.0, 0.5]])
+    st = sampler.make_state(SamplingParams(temperature=0.0, repetition_penalty=2.0), [0, 1], [2, 3, 3], (7,))
+    out = sampler._apply_penalties(logits, [st])
+    expected = torch.tensor([[1.0, -4.0, 1.0, -4.0, 1.0, 1.0, 0.0, 0.5]])
+    assert torch.equal(out, expected)
+    assert torch.equal(logits[0, :2], torch.tensor([2.0, -2.0]))  # the input is not modified
+
+
+def test_frequency_and_presence_penalties_exact_values() -> None:
+    sampler = Sampler(8)
+    logits = torch.tensor([[2.0, -2.0, 2.0, -2.0, 1.0, 1.0, 0.0, 0.5]])
+    params = SamplingParams(temperature=0.0, frequency_penalty=0.5, presence_penalty=0.25)
+    st = sampler.make_state(params, [0, 1], [2, 3, 3], (7,))  # prompt tokens are not penalised
+    out = sampler._apply_penalties(logits, [st])
+    expected = torch.tensor([[2.0, -2.0, 2.0 - 0.5 - 0.25, -2.0 - 1.0 - 0.25, 1.0, 1.0, 0.0, 0.5]])
+    assert torch.allclose(out, expected)
+    st.output_token_ids.append(4)  # the counts follow the growing output list
+    out = sampler._apply_penalties(logits, [st])
+    assert out[0, 4].item() == pytest.approx(1.0 - 0.75)
+
+
+def test_penalties_change_greedy_choice_only_for_their_row() -> None:
+    sampler = Sampler(VOCAB)
+    logits = torch.zeros(2, VOCAB)
+    logits[:, 5] = 1.0
+    logits[:, 6] = 0.9
+    states = [
+        state(sampler, output=[5], temperature=0.0, presence_penalty=0.5),
+        state(sampler, output=[5], temperature=0.0),
+    ]
+    assert sampler(logits, states).token_ids == [6, 5]
+
+
+def test_min_tokens_masks_eos_and_stop_ids() -> None:
+    sampler = Sampler(VOCAB)
+    logits = torch.zeros(1, VOCAB)
+    logits[0, EOS] = 10.0
+    logits[0, 7] = 9.0
+    logits[0, 3] = 8.0
+    output: list[int] = []
+    st = state(sampler, output=output, temperature=0.0, min_tokens=2, stop_token_ids=[7])
+    assert sampler(logits, [st]).token_ids == [3]
+    output += [3, 3]
+    assert sampler(logits, [st]).token_ids == [EOS]
+    ignoring = state(sampler, temperature=0.0, min_tokens=2, ignore_eos=True, stop_token_ids=[7])
+    assert sampler(logits, [ignoring]).token_ids == [EOS]  # ignore_eos: EOS is not masked, just not a stop
+
+
+def test_logprobs_from_raw_distribution() -> None:
+    sampler = Sampler(VOCAB)
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(3))
+    states = [
+        state(sampler, logprobs=4, temperature=0.7, top_k=3, repetition_penalty=1.5),
+        state(sampler),
+        state(sampler, logprobs=0, temperature=0.0),
+    ]
+    out = sampler(logits, states)
+    raw = torch.log_softmax(logits, dim=-1)
+    first = out.logprobs[0]
+    assert first is not None and first.token_id == out.token_ids[0]
+    assert first.logprob == pytest.approx(raw[0, out.token_ids[0]].item(), abs=1e-6)
+    assert len(first.top) == 4
+    assert [lp for _, lp in first.top] == sorted((lp for _, lp in first.top), reverse=True)
+    assert first.top[0][0] == int(raw[0].argmax())
+    assert all(math.isclose(lp, raw[0, i].item(), abs_tol=1e-6) for i, lp in first.top)
+    assert out.logprobs[1] is None
+    third = out.logprobs[2]
+    assert third is not None and third.top == [] and third.token_id == int(logits[2].argmax())
+
+
+def test_mixed_batch_greedy_rows_stay_argmax() -> None:
+    sampler = Sampler(VOCAB, seed=5)
+    logits = torch.randn(4, VOCAB, generator=torch.Generator().manual_seed(4))
+    states = [state(sampler, temperature=0.0), state(sampler, seed=1), state(sampler, temperature=0.0), state(sampler)]
+    ids = sampler(logits, states).token_ids
+    assert ids[0] == int(logits[0].argmax()) and ids[2] == int(logits[2].argmax())
+
+
+def test_row_count_mismatch_raises() -> None:
+    sampler = Sampler(VOCAB)
+    with pytest.raises(ValueError):
+        sampler(torch.zeros(2, VOCAB), [state(sampler)])
