@@ -14,11 +14,15 @@ VOCAB = 32
 EOS = 31
 
 
-def state(sampler: Sampler, output: list[int] | None = None, prompt: list[int] | None = None, **kw) -> SamplingState:
-    return sampler.make_state(SamplingParams(max_tokens=100, **kw), [1, 2, 3] if prompt is None else prompt, [] if output is None else output, (EOS,))
+def state(
+    sampler: Sampler, output: list[int] | None = None, prompt: list[int] | None = None, **kw: object
+) -> SamplingState:
+    """A state with max_tokens=100, EOS id ``EOS`` and the given SamplingParams fields."""
+    prompt = [1, 2, 3] if prompt is None else prompt
+    return sampler.make_state(SamplingParams(max_tokens=100, **kw), prompt, [] if output is None else output, (EOS,))
 
 
-def sample_many(sampler: Sampler, logits_row: torch.Tensor, num: int, **kw) -> set[int]:
+def sample_many(sampler: Sampler, logits_row: torch.Tensor, num: int, **kw: object) -> set[int]:
     """Draw ``num`` tokens from one logits row in a single batch of ``num`` identical rows."""
     states = [state(sampler, **kw) for _ in range(num)]
     return set(sampler(logits_row.expand(num, -1), states).token_ids)
@@ -178,3 +182,29 @@ def test_row_count_mismatch_raises() -> None:
     sampler = Sampler(VOCAB)
     with pytest.raises(ValueError):
         sampler(torch.zeros(2, VOCAB), [state(sampler)])
+
+
+def reference_keep(logits: torch.Tensor, k: int, p: float) -> torch.Tensor:
+    """Naive top-k then top-p over one row [vocab]: full sort, renormalise, exclusive cumsum < p."""
+    values, order = logits.sort(descending=True)
+    values = values[:k]
+    probs = values.softmax(-1)
+    keep_sorted = ((probs.cumsum(-1) - probs) < p) | (p >= 1.0)
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    keep[order[:k][keep_sorted]] = True
+    return keep
+
+
+@pytest.mark.parametrize("scale", [0.1, 3.0])  # flat: the top-p cut lies outside the topk window
+def test_top_k_top_p_window_matches_full_sort(scale: float) -> None:
+    from twophase.sample.sampler import TOP_P_WINDOW, _apply_top_k_top_p
+
+    vocab = 4 * TOP_P_WINDOW
+    logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(1)) * scale
+    top_k = [vocab, 10, vocab, 600, vocab, 3]
+    top_p = [0.9, 0.5, 1.0, 0.95, 0.37, 1.0]
+    out = _apply_top_k_top_p(logits, top_k, top_p)
+    for i in range(6):
+        assert torch.equal(out[i] > float("-inf"), reference_keep(logits[i], top_k[i], top_p[i]))
+        kept = out[i] > float("-inf")
+        assert torch.equal(out[i][kept], logits[i][kept])

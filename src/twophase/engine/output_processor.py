@@ -37,21 +37,22 @@ class OutputProcessor:
         self.states[request.request_id] = _RequestState(detokenizer)
 
     def process(self, update: StepUpdate) -> tuple[RequestOutput, bool]:
-        """RequestOutput for one update, and whether a stop string was hit (the caller must finish it)."""
+        """RequestOutput for one update, and whether a stop string ended a request the scheduler still runs
+        (the caller must then finish it)."""
         request = update.request
         state = self.states[request.request_id]
         state.logprobs.extend(update.new_logprobs)
         new_text, stop_hit = "", False
         if state.detokenizer is not None:
             new_text = state.detokenizer.add_tokens(update.new_token_ids)
-            stop_hit = state.detokenizer.stop_reason is not None and not update.finished
+            stop_hit = state.detokenizer.stop_reason is not None
             if update.finished or stop_hit:
                 new_text += state.detokenizer.flush()
         finished = update.finished or stop_hit
         output = self._output(request, update.new_token_ids, new_text, finished, "stop" if stop_hit else None)
         if finished:
             self.states.pop(request.request_id, None)
-        return output, stop_hit
+        return output, stop_hit and not update.finished
 
     def abort(self, request: Request) -> RequestOutput:
         """Final output of an aborted request."""

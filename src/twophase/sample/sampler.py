@@ -107,7 +107,7 @@ class Sampler:
         output_token_ids: list[int],
         eos_token_ids: tuple[int, ...] | list[int],
     ) -> SamplingState:
-        """Create the state for one request; seeds its own generator when ``params.seed`` is set."""
+        """Create the state for one request; a seeded, non-greedy request gets its own generator on ``device``."""
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.device)
@@ -116,7 +116,10 @@ class Sampler:
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
-        """Sample one token per row. ``logits``: [num_reqs, vocab(+padding)], any float dtype."""
+        """Sample one token per row. ``logits``: [num_reqs, vocab(+padding)] on ``self.device``, any float dtype.
+
+        Columns past ``vocab_size`` (padded embeddings) are ignored. Rows pair with ``states`` by index.
+        """
         if logits.shape[0] != len(states):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(states)} states")
         raw_logits = logits[:, : self.vocab_size].float()  # [num_reqs, vocab]
@@ -274,7 +277,9 @@ def _keep_mask(
     in_top_k = positions < top_k.unsqueeze(1)  # [m, width]
     values = values.masked_fill(~in_top_k, float("-inf"))
     all_in_window = top_k <= width  # [m]: the top-k mask leaves no mass outside the window
-    log_norm = torch.where(all_in_window, values.logsumexp(dim=-1), logits.logsumexp(dim=-1))  # [m]
+    log_norm = values.logsumexp(dim=-1)  # [m]
+    if not bool(all_in_window.all()):
+        log_norm = torch.where(all_in_window, log_norm, logits.logsumexp(dim=-1))
     probs = (values - log_norm.unsqueeze(1)).exp()  # [m, width]
     cumulative = probs.cumsum(dim=-1)  # [m, width]
     no_top_p = (top_p >= 1.0).unsqueeze(1)  # [m, 1]
