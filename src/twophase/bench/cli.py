@@ -18,7 +18,7 @@ import numpy as np
 from twophase.bench import datasets
 from twophase.bench.metrics import METRIC_NAMES, best_passing_point, parse_goodput
 from twophase.bench.serve import (
-    LoadConfig, benchmark, default_filename, format_result, plot_results, result_json, save_json,
+    LoadConfig, auth_headers, benchmark, default_filename, format_result, plot_results, result_json, save_json,
 )  # fmt: skip
 
 
@@ -103,7 +103,7 @@ def load_config(args: argparse.Namespace, base_url: str, model: str) -> LoadConf
 
 def discover_model(base_url: str) -> str:
     """The first model id the server lists at GET /v1/models."""
-    response = httpx.get(f"{base_url}/v1/models", timeout=30)
+    response = httpx.get(f"{base_url}/v1/models", timeout=30, headers=auth_headers())
     response.raise_for_status()
     return str(response.json()["data"][0]["id"])
 
@@ -112,7 +112,7 @@ def choose_counter(args: argparse.Namespace, base_url: str, model: str) -> datas
     """Local tokenizer if given, else the server's /tokenize + /detokenize, else the word approximation."""
     if args.tokenizer:
         return datasets.LocalCounter(args.tokenizer)
-    server = datasets.ServerCounter(base_url, model)
+    server = datasets.ServerCounter(base_url, model, httpx.Client(timeout=60, headers=auth_headers()))
     if server.available():
         return server
     print("note: no --tokenizer and the server has no /tokenize; prompt lengths are approximate (1 word ≈ 1 token)")

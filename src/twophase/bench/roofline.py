@@ -112,7 +112,7 @@ def _best_time(fn, device: torch.device, repeats: int) -> float:
     return best
 
 
-def measure_bandwidth(device: torch.device, num_bytes: int, repeats: int = 5) -> float:
+def measure_bandwidth(device: torch.device, num_bytes: int, repeats: int = 3) -> float:
     """Bytes/s of a large tensor copy (each copy reads and writes ``num_bytes``)."""
     src = torch.ones(num_bytes // 4, dtype=torch.float32, device=device)  # [N]
     dst = torch.empty_like(src)
@@ -133,7 +133,7 @@ def measure_ceilings(
 ) -> Ceilings:
     """Measure bandwidth and per-dtype matmul rate; sizes default to large-enough for the device."""
     is_cuda = device.type == "cuda"
-    copy_bytes = copy_bytes or (2 << 30 if is_cuda else 256 << 20)
+    copy_bytes = copy_bytes or (2 << 30 if is_cuda else 128 << 20)
     gemm_n = gemm_n or (8192 if is_cuda else 2048)
     return Ceilings(
         device=str(device),

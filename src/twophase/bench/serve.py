@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import dataclasses
 import json
+import os
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -48,6 +49,12 @@ class LoadConfig:
     goodput: dict[str, float] = field(default_factory=dict)
     seed: int = 0
     disable_tqdm: bool = False
+
+
+def auth_headers() -> dict[str, str]:
+    """``Authorization: Bearer $OPENAI_API_KEY`` when the variable is set (as vLLM's client sends it)."""
+    key = os.environ.get("OPENAI_API_KEY")
+    return {"Authorization": f"Bearer {key}"} if key else {}
 
 
 def build_payload(config: LoadConfig, request: SampleRequest) -> dict[str, Any]:
@@ -111,6 +118,7 @@ async def send_request(client: httpx.AsyncClient, config: LoadConfig, request: S
 
 
 def _failed(request: SampleRequest, start: float, error: str, pbar: tqdm | None) -> RequestRecord:
+    """A failed record (counted in the progress bar)."""
     if pbar is not None:
         pbar.update(1)
     return RequestRecord(success=False, prompt_len=request.prompt_len, start_time=start, error=error)
@@ -126,6 +134,7 @@ async def run_load(client: httpx.AsyncClient, config: LoadConfig,
     pbar = None if config.disable_tqdm else tqdm(total=len(requests))
 
     async def limited(request: SampleRequest) -> RequestRecord:
+        """One request under the concurrency limit."""
         async with limit:
             return await send_request(client, config, request, pbar)
 
@@ -147,7 +156,7 @@ async def benchmark(config: LoadConfig, requests: list[SampleRequest]) -> dict[s
     """Ready check, warm-ups, the timed run; returns the result dict (vLLM's keys, detailed lists included)."""
     limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency)
     timeout = httpx.Timeout(6 * 60 * 60, connect=60)
-    async with httpx.AsyncClient(limits=limits, timeout=timeout) as client:
+    async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=auth_headers()) as client:
         if config.ready_check:
             print("Starting initial single prompt test run...")
             test = await send_request(client, config, requests[0])
@@ -189,6 +198,7 @@ def build_result(config: LoadConfig, records: list[RequestRecord], duration: flo
 
 
 def _line(label: str, value: Any, fmt: str = "") -> str:
+    """One vLLM console row: label left-aligned in 40 columns, value in 10."""
     return "{:<40} {:<10{}}".format(label, value, fmt)
 
 

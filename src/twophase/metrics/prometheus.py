@@ -72,6 +72,8 @@ class PrometheusStatLogger:
         self.step_decode = h("twophase:step_decode_tokens", "Decode tokens per step", STEP_TOKEN_BUCKETS, labels)
         self.step_duration = h("twophase:step_duration_seconds", "Step duration by phase", STEP_BUCKETS,
                                labels + ["phase"])
+        for metric in (self.cache_queries, self.cache_hits, self.preemptions, self.prompt_tokens, self.gen_tokens):
+            metric.labels(self.model_name)  # exposed at 0 from the start
         for gauge in (self.running, self.waiting, self.kv_usage):
             gauge.labels(self.model_name).set(0)
 
@@ -115,10 +117,6 @@ class PrometheusStatLogger:
             if delta > 0:
                 counter.labels(m).inc(delta)
         self._last_stats = stats
-
-    def refresh(self, stats: EngineStats) -> None:
-        """Update the gauges from a fresh snapshot (e.g. at scrape time, when the loop is idle)."""
-        self._record_stats(stats)
 
     def exposition(self) -> bytes:
         """The text exposition format of this registry."""

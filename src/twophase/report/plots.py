@@ -52,7 +52,7 @@ def plot_gantt(records: RunRecords, path: str | Path) -> Path:
     ax.invert_yaxis()
     ax.set(xlabel="time since start (s)", title="requests: queue / prefill / decode / runnable but waiting")
     handles = [plt.Rectangle((0, 0), 1, 1, color=PHASE_COLORS[p]) for p in ("queue", "prefill", "decode", "waiting")]
-    ax.legend(handles, ["queue", "prefill chunk", "decode step", "runnable, waiting"], loc="upper right", fontsize=8)
+    ax.legend(handles, ["queue", "prefill chunk", "decode step", "runnable, waiting"], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.grid(True, axis="x", alpha=0.3)
     return _save(fig, path)
 

@@ -140,13 +140,18 @@ def _from_bench_serve(data: dict) -> RunRecords:
     return RunRecords(source_kind="bench-serve", bench_latencies={"ttft": ttfts, "tpot": tpots, "itl": pooled})
 
 
-def load_records(source: str | Path, timeout: float = 30.0) -> RunRecords:
-    """Records from a file path or an ``http(s)://`` URL (e.g. a server's ``/v1/records``)."""
+def fetch_json(source: str | Path, timeout: float = 30.0) -> dict:
+    """The JSON at a file path or an ``http(s)://`` URL (e.g. a server's ``/v1/records``)."""
     text = str(source)
     if text.startswith(("http://", "https://")):
         import httpx
 
         response = httpx.get(text, timeout=timeout)
         response.raise_for_status()
-        return records_from_json(response.json())
-    return records_from_json(json.loads(Path(text).read_text()))
+        return response.json()
+    return json.loads(Path(text).read_text())
+
+
+def load_records(source: str | Path, timeout: float = 30.0) -> RunRecords:
+    """Records from a file path or a URL, in any of the three source forms."""
+    return records_from_json(fetch_json(source, timeout))

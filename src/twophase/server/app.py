@@ -71,9 +71,6 @@ def _add_info_routes(app: FastAPI) -> None:
     @app.get("/metrics")
     async def metrics() -> Response:
         """Prometheus exposition (vLLM metric names)."""
-        engine = app.state.llm.engine
-        app.state.llm.call_in_loop(lambda e: app.state.prometheus.refresh(e.stats()))
-        del engine
         return Response(app.state.prometheus.exposition(), media_type=CONTENT_TYPE)
 
     @app.get("/v1/records")

@@ -1,4 +1,8 @@
-"""API-key guard: ``Authorization: Bearer <key>`` (or ``x-api-key``) on every route but ``/health``."""
+"""API-key guard: ``Authorization: Bearer <key>`` (or ``x-api-key``) on every route but ``/health``.
+
+``/dashboard`` is static HTML holding no data (its script sends the key, taken from the page's ``#key=`` fragment,
+to the guarded ``/v1/records``), so it is open too.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from twophase.server.errors import error_response
 
-OPEN_PATHS = frozenset({"/health"})
+OPEN_PATHS = frozenset({"/health", "/dashboard"})
 
 
 def _presented_key(headers: Headers) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -17,6 +18,9 @@ from twophase.sampling_params import InvalidRequestError
 logger = logging.getLogger("twophase.server")
 
 RETRY_AFTER_S = 1
+# pydantic's names for union members and validators in an error's loc (not field names)
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|list|dict|(list|dict|union|nullable|tagged-union|function-\w+|"
+                       r"json-or-python|lax-or-strict)\[.*\])$")
 ERROR_TYPES = {
     400: "invalid_request_error", 401: "authentication_error", 403: "permission_error", 404: "not_found_error",
     405: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
@@ -66,7 +70,7 @@ def _loc_to_param(loc: tuple[Any, ...]) -> str | None:
     for part in parts:
         if isinstance(part, int):
             text += f"[{part}]"
-        elif not str(part).startswith(("function-", "list[", "str", "int", "union[", "nullable[")):
+        elif not _TYPE_TAG.match(str(part)):
             text += ("." if text else "") + str(part)
     return text or None
 

@@ -33,7 +33,8 @@ class Choice:
     params: SamplingParams
 
 
-def check_caps(req: _SamplingFields, settings: ServerSettings, num_top_logprobs: int | None) -> None:
+def check_caps(req: _SamplingFields, settings: ServerSettings, num_top_logprobs: int | None,
+               logprobs_param: str = "logprobs") -> None:
     """Enforce the server's caps on n, stop strings and logprobs (400 naming the field)."""
     n = req.n if req.n is not None else 1
     if not 1 <= n <= settings.max_n:
@@ -45,7 +46,8 @@ def check_caps(req: _SamplingFields, settings: ServerSettings, num_top_logprobs:
         raise APIError(400, f"stop strings are limited to {settings.max_stop_string_chars} characters", "stop",
                        "invalid_value")
     if num_top_logprobs is not None and not 0 <= num_top_logprobs <= settings.max_top_logprobs:
-        raise APIError(400, f"top logprobs must be in [0, {settings.max_top_logprobs}]", "logprobs", "invalid_value")
+        raise APIError(400, f"{logprobs_param} must be in [0, {settings.max_top_logprobs}]", logprobs_param,
+                       "invalid_value")
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int | None, num_top_logprobs: int | None) -> SamplingParams:

@@ -77,7 +77,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
     if body.top_logprobs and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", "top_logprobs", "invalid_value")
     num_top = (body.top_logprobs or 0) if body.logprobs else None
-    check_caps(body, settings, num_top)
+    check_caps(body, settings, num_top, "top_logprobs")
     ids = render_chat_ids(llm, body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     params = sampling_params(body, max_tokens, num_top)

@@ -1,0 +1,81 @@
+"""``run_server(args)``: load the engine, start its loop, serve the app with uvicorn, shut down gracefully.
+
+On SIGTERM / SIGINT uvicorn stops accepting connections, lets in-flight requests finish for up to
+``--shutdown-timeout`` seconds, then cancels them (which aborts their engine requests); the engine loop is then
+stopped and the process exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import signal
+import threading
+from typing import Iterator
+
+import uvicorn
+
+from twophase.server.settings import ServerSettings
+
+logger = logging.getLogger("twophase.server")
+API_KEY_ENV = "TWOPHASE_API_KEY"
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn.Server that does not re-raise the captured signal after a graceful shutdown (so the exit is 0)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """Route SIGINT/SIGTERM to ``handle_exit`` while serving; restore the old handlers after."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+def settings_from_args(args: argparse.Namespace) -> ServerSettings:
+    """ServerSettings from the ``serve`` options (the API key may come from ``TWOPHASE_API_KEY``)."""
+    origins = tuple(o.strip() for o in (args.cors_origins or "").split(",") if o.strip())
+    return ServerSettings(
+        model_name=args.served_model_name or args.model,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+        max_body_bytes=args.max_body_bytes,
+        allow_request_chat_template=args.allow_request_chat_template,
+        cors_origins=origins,
+        max_n=args.max_n,
+        max_top_logprobs=args.max_top_logprobs,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_string_chars=args.max_stop_string_chars,
+        max_prompts=args.max_prompts,
+    )
+
+
+def run_server(args: argparse.Namespace) -> int:
+    """Serve until a signal arrives; returns the exit status."""
+    from twophase.cli import engine_config_from_args
+    from twophase.engine.async_engine import AsyncLLM
+    from twophase.engine.llm_engine import LLMEngine
+    from twophase.server.app import build_app
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = settings_from_args(args)
+    engine = LLMEngine(engine_config_from_args(args), progress=False)
+    llm = AsyncLLM(engine)
+    llm.start()
+    app = build_app(llm, settings)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.access_log)
+    server = GracefulServer(config)
+    logger.info("serving %s on http://%s:%d", settings.model_name, args.host, args.port)
+    try:
+        server.run()
+    finally:
+        llm.shutdown()
+    return 0 if server.started else 1
