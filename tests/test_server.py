@@ -235,3 +235,8 @@ def test_ready_reflects_loop(server):
     assert body["status"] == "ready" and body["last_loop_age_s"] < 5
     time.sleep(0.2)
     assert httpx.get(f"{server.base_url}/ready").status_code == 200
+
+
+def test_cors_off_by_default(server):
+    response = httpx.get(f"{server.base_url}/v1/models", headers={"Origin": "http://elsewhere.example"})
+    assert response.status_code == 200 and "access-control-allow-origin" not in response.headers

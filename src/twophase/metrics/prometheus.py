@@ -43,7 +43,7 @@ class PrometheusStatLogger:
         self.itl = h("vllm:inter_token_latency_seconds", "Inter-token latency", ITL_BUCKETS, labels)
         self.tpot = h("vllm:request_time_per_output_token_seconds", "Time per output token", ITL_BUCKETS, labels)
         self.e2e = h("vllm:e2e_request_latency_seconds", "End-to-end request latency", LATENCY_BUCKETS, labels)
-        self.queue = h("vllm:request_queue_time_seconds", "Time waiting before first scheduled", LATENCY_BUCKETS, labels)
+        self.queue = h("vllm:request_queue_time_seconds", "Arrival to first scheduled", LATENCY_BUCKETS, labels)
         self.prefill = h("vllm:request_prefill_time_seconds", "First scheduled to first token", LATENCY_BUCKETS, labels)
         self.decode = h("vllm:request_decode_time_seconds", "First token to last token", LATENCY_BUCKETS, labels)
         self.prompt_len = h("vllm:request_prompt_tokens", "Prompt tokens per request", TOKEN_BUCKETS, labels)

@@ -1,4 +1,4 @@
-"""Every error as OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``, never a bare 500 for bad input."""
+"""Every error in OpenAI's envelope ``{"error": {"message", "type", "param", "code"}}``; bad input never gets a 500."""
 
 from __future__ import annotations
 

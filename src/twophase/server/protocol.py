@@ -52,7 +52,8 @@ class _SamplingFields(_Request):
     min_tokens: StrictInt | None = 0
     include_stop_str_in_output: StrictBool | None = False
     user: StrictStr | None = None
-    cache_salt: StrictStr | None = Field(default=None, description="tenant key: requests with different salts never share prefix-cache blocks")
+    cache_salt: StrictStr | None = Field(
+        default=None, description="tenant key: requests with different salts never share prefix-cache blocks")
 
 
 class CompletionRequest(_SamplingFields):

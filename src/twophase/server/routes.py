@@ -122,7 +122,8 @@ def _token_text(llm: AsyncLLM):
 # ---- non-streamed -----------------------------------------------------------------------------------
 
 
-def _full_response(job: Job, finals: dict[int, RequestOutput], token_text) -> CompletionResponse | ChatCompletionResponse:
+def _full_response(job: Job, finals: dict[int, RequestOutput],
+                   token_text) -> CompletionResponse | ChatCompletionResponse:
     usage = R.usage_of(finals, job.n)
     timings = R.timings_of(list(finals.values()), usage)
     ordered = [finals[i] for i in sorted(finals)]
