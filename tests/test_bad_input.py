@@ -24,7 +24,7 @@ def llm(tiny_llama_dir) -> LLM:
         ("top_p", 0.0), ("top_p", 1.5), ("top_p", math.nan), ("top_k", -3), ("min_p", -0.1), ("min_p", 2.0),
         ("repetition_penalty", 0.0), ("repetition_penalty", -1.0), ("presence_penalty", math.inf),
         ("frequency_penalty", -5.0), ("max_tokens", 0), ("max_tokens", -1), ("min_tokens", -1), ("n", 0),
-        ("logprobs", -1), ("seed", 1.5), ("stop", [""]), ("stop_token_ids", [-1]),
+        ("logprobs", -1), ("seed", 1.5), ("seed", 2**70), ("stop", [""]), ("stop_token_ids", [-1]),
     ],
 )  # fmt: skip
 def test_invalid_sampling_values_name_the_field(field, value):

@@ -66,8 +66,11 @@ class SamplingParams:
                 raise InvalidRequestError("min_tokens must be <= max_tokens", "min_tokens")
         if self.logprobs is not None:
             _int_at_least("logprobs", self.logprobs, 0)
-        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise InvalidRequestError("seed must be an integer", "seed")
+        if self.seed is not None:
+            if not isinstance(self.seed, int) or isinstance(self.seed, bool):
+                raise InvalidRequestError("seed must be an integer", "seed")
+            if not -(2**63) <= self.seed < 2**64:
+                raise InvalidRequestError("seed must fit in 64 bits", "seed")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise InvalidRequestError("stop strings must be non-empty strings", "stop")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):

@@ -7,6 +7,7 @@ loop thread, which alone mutates the engine. Outputs travel back through ``loop.
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -18,6 +19,8 @@ from twophase.engine.scheduler import QueueFullError
 from twophase.outputs import EngineStats, RequestOutput, StepRecord
 from twophase.request import Request
 from twophase.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -140,6 +143,7 @@ class AsyncLLM:
                 self._step_once()
             self._abort_all()
         except BaseException as exc:  # noqa: BLE001 — surfaced to every waiting stream
+            logger.exception("engine loop failed")
             self._error = exc
             self._fail_all(EngineDeadError(f"engine loop failed: {exc!r}"))
 

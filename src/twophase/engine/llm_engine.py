@@ -101,8 +101,12 @@ class LLMEngine:
 
     def enqueue(self, request: Request, detokenize: bool = True) -> None:
         """Queue a request made by ``make_request`` (mutates the scheduler: call from the stepping thread)."""
-        self.scheduler.add_request(request)
-        self.model_runner.add_request(request)
+        self.model_runner.add_request(request)  # may raise: nothing is queued yet
+        try:
+            self.scheduler.add_request(request)
+        except Exception:
+            self.model_runner.remove_request(request.request_id)
+            raise
         self.output_processor.add_request(request, detokenize=detokenize)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
