@@ -3,21 +3,13 @@
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import httpx
 import pytest
+from server_harness import ServerProcess, scrape, write_server_model
 
-pytest.importorskip("twophase.server.app", reason="twophase.server is not built yet")
-prometheus_parser = pytest.importorskip("prometheus_client.parser")
-
-from twophase.cli import main as twophase_main  # noqa: E402
+from twophase.cli import main as twophase_main
 
 NUM_PROMPTS, INPUT_LEN, OUTPUT_LEN = 6, 32, 8
 VLLM_KEYS = {
@@ -29,60 +21,20 @@ VLLM_KEYS = {
 }  # fmt: skip
 
 
-def _model_path() -> str:
-    """TWOPHASE_DEFAULT_MODEL, else the store's SmolLM2-135M-Instruct; skip when neither is on disk."""
-    from twophase.loader import resolve
-
-    path = os.environ.get("TWOPHASE_DEFAULT_MODEL") or str(resolve("smollm2-135m-instruct") or "")
-    if not path or not Path(path).exists():
-        pytest.skip("no tiny model on disk (set TWOPHASE_DEFAULT_MODEL or run `twophase pull`)")
-    return path
-
-
-def _free_port() -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
-def server() -> Iterator[str]:
-    """A `twophase serve` subprocess on a free port; yields its base URL once /health answers."""
-    model, port = _model_path(), _free_port()
-    command = [sys.executable, "-m", "twophase.cli", "serve", "--model", model, "--port", str(port)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    base_url = f"http://127.0.0.1:{port}"
+def server(tmp_path_factory) -> Iterator[str]:
+    """A real `twophase serve` subprocess on the tiny model; yields its base URL."""
+    process = ServerProcess(write_server_model(tmp_path_factory.mktemp("bench-serve-model")))
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and process.poll() is None:
-            try:
-                if httpx.get(f"{base_url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.5)
-        else:
-            output = process.stdout.read() if process.poll() is not None else "(still starting)"
-            pytest.fail(f"twophase serve did not become healthy:\n{output[-2000:]}")
-        yield base_url
+        yield process.base_url
     finally:
-        process.terminate()
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            process.kill()
+        process.stop()
 
 
 def token_counters(base_url: str) -> dict[str, float]:
-    """The server's prompt and generation token counters (summed over label sets)."""
-    text = httpx.get(f"{base_url}/metrics", timeout=10).text
-    totals = {"vllm:prompt_tokens_total": 0.0, "vllm:generation_tokens_total": 0.0}
-    for family in prometheus_parser.text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name in totals:
-                totals[sample.name] += sample.value
-    return totals
+    """The server's prompt and generation token counters."""
+    samples = scrape(base_url)
+    return {name: samples.get((name, ()), 0.0) for name in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")}
 
 
 def test_bench_serve_matches_server_counters(server: str, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

@@ -7,6 +7,13 @@ from dataclasses import dataclass, field
 from twophase.request import RequestTimeline
 
 
+def step_phase(num_prompt_tokens: int, num_decode_tokens: int) -> str:
+    """Label a step by its token mix: 'prefill', 'decode', 'mixed' or 'idle'."""
+    if num_prompt_tokens and num_decode_tokens:
+        return "mixed"
+    return "prefill" if num_prompt_tokens else ("decode" if num_decode_tokens else "idle")
+
+
 @dataclass
 class ScheduledRequest:
     """The work given to one request in one step."""
@@ -46,10 +53,7 @@ class SchedulerOutput:
     @property
     def phase(self) -> str:
         """'prefill', 'decode', 'mixed' or 'idle': a fact about the step, not a code path."""
-        p, d = self.num_prompt_tokens, self.num_decode_tokens
-        if p and d:
-            return "mixed"
-        return "prefill" if p else ("decode" if d else "idle")
+        return step_phase(self.num_prompt_tokens, self.num_decode_tokens)
 
 
 @dataclass
@@ -104,11 +108,8 @@ class StepRecord:
 
     @property
     def phase(self) -> str:
-        """'prefill', 'decode', 'mixed' or 'idle'."""
-        p, d = self.num_prompt_tokens, self.num_decode_tokens
-        if p and d:
-            return "mixed"
-        return "prefill" if p else ("decode" if d else "idle")
+        """'prefill', 'decode', 'mixed' or 'idle': a fact about the step, not a code path."""
+        return step_phase(self.num_prompt_tokens, self.num_decode_tokens)
 
 
 @dataclass
