@@ -82,28 +82,28 @@ class TorchPagedAttention:
             out[lo:hi] = self._prefill_one(q[lo:hi], k_cache, v_cache, meta, row)
         return out
 
-    def _expand(self, x: torch.Tensor, dim: int) -> torch.Tensor:
-        return x if self.num_groups == 1 else x.repeat_interleave(self.num_groups, dim=dim)
-
     def _prefill_one(self, q, k_cache, v_cache, meta: AttentionMetadata, row: int) -> torch.Tensor:
         num_q, seq_len = q.shape[0], meta.seq_lens[row]
         positions = torch.arange(seq_len, device=q.device)
         slots = meta.block_tables[row, positions // meta.block_size] * meta.block_size + positions % meta.block_size
-        keys = self._expand(k_cache[slots], 1).transpose(0, 1)  # [heads, seq_len, head_dim]
-        values = self._expand(v_cache[slots], 1).transpose(0, 1)
-        query = q.transpose(0, 1)  # [heads, num_q, head_dim]
+        keys = k_cache[slots].transpose(0, 1).to(q.dtype)  # [kv_heads, seq_len, head_dim]
+        values = v_cache[slots].transpose(0, 1).to(q.dtype)
+        # GQA without copying K/V: the query heads of one KV head become extra query rows of that head
+        query = q.view(num_q, self.num_kv_heads, self.num_groups, -1).permute(1, 2, 0, 3)  # [kvh, groups, num_q, D]
+        query = query.reshape(self.num_kv_heads, self.num_groups * num_q, -1)  # [kvh, groups * num_q, D]
         q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)  # [num_q]
-        mask = positions[None, :] <= q_pos[:, None]  # [num_q, seq_len]
-        out = F.scaled_dot_product_attention(query, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=self.scale)
-        return out.transpose(0, 1)  # [num_q, heads, head_dim]
+        mask = (positions[None, :] <= q_pos[:, None]).repeat(self.num_groups, 1)  # [groups * num_q, seq_len]
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scale)
+        out = out.view(self.num_kv_heads, self.num_groups, num_q, -1).permute(2, 0, 1, 3)  # [num_q, kvh, groups, D]
+        return out.reshape(num_q, self.num_heads, -1)
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
         token_idx = torch.tensor(meta.query_start_loc, device=q.device)[meta.decode_rows]  # [num_decode]
-        query = q[token_idx].unsqueeze(2)  # [num_decode, heads, 1, head_dim]
+        num_decode = len(token_idx)
+        # [num_decode, kvh, groups, D]: each KV head's query heads act as its query rows
+        query = q[token_idx].view(num_decode, self.num_kv_heads, self.num_groups, -1)
         slots = meta.decode_context_slots  # [num_decode, max_len]
-        keys = self._expand(k_cache[slots], 2).permute(0, 2, 1, 3)  # [num_decode, heads, max_len, head_dim]
-        values = self._expand(v_cache[slots], 2).permute(0, 2, 1, 3)
-        res = F.scaled_dot_product_attention(
-            query, keys.to(q.dtype), values.to(q.dtype), attn_mask=meta.decode_mask, scale=self.scale
-        )
-        out[token_idx] = res.squeeze(2)
+        keys = k_cache[slots].permute(0, 2, 1, 3).to(q.dtype)  # [num_decode, kvh, max_len, D]
+        values = v_cache[slots].permute(0, 2, 1, 3).to(q.dtype)
+        res = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
+        out[token_idx] = res.reshape(num_decode, self.num_heads, -1)
