@@ -6,6 +6,9 @@ import asyncio
 import time
 
 import httpx
+
+from twophase.metrics.records import SCHEMA
+from twophase.report.report import records_from_json
 import openai
 import pytest
 
@@ -223,7 +226,10 @@ def test_tokenize_detokenize_records_dashboard(server, client):
     records = httpx.get(f"{server.base_url}/v1/records").json()
     assert records["steps"] and records["requests"]
     row = records["requests"][-1]
-    assert {"ttft", "tpot", "queue_time"} <= set(row["metrics"]) and "arrival_time" in row["timeline"]
+    assert {"ttft", "tpot", "queue_time"} <= set(row["metrics"]) and "arrival_time" in row and row["scheduled"]
+    assert records["schema"] == SCHEMA
+    loaded = records_from_json(records)  # the report tool reads the endpoint as it is
+    assert loaded.has_timelines and loaded.steps and loaded.latencies()["ttft"]
     since = records["steps"][-1]["step_id"]
     assert httpx.get(f"{server.base_url}/v1/records", params={"since_step": since}).json()["steps"] == []
     page = httpx.get(f"{server.base_url}/dashboard")

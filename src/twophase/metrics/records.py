@@ -6,10 +6,13 @@ import collections
 import dataclasses
 import itertools
 import threading
-from typing import Any
+from typing import Any, Iterable
 
 from twophase.metrics.timeline import request_metrics
 from twophase.outputs import EngineStats, RequestOutput, StepRecord
+from twophase.request import RequestTimeline, ScheduledEvent
+
+SCHEMA = "twophase.records.v1"
 
 
 class RecordRing:
@@ -40,21 +43,59 @@ class RecordRing:
         if limit is not None:
             steps, requests = steps[-limit:], requests[-limit:]
         return {
-            "steps": [{**dataclasses.asdict(s), "phase": s.phase} for s in steps],
+            "schema": SCHEMA,
+            "steps": [step_to_json(s) for s in steps],
             "requests": requests,
             "stats": {**dataclasses.asdict(stats), "kv_cache_usage": stats.kv_cache_usage} if stats else None,
         }
 
 
 def _request_row(seq: int, output: RequestOutput) -> dict[str, Any]:
-    metrics = dataclasses.asdict(request_metrics(output.timeline))
+    row = request_to_json(output.request_id, output.timeline, len(output.prompt_token_ids), output.num_cached_tokens)
+    row.update(seq=seq, num_output_tokens=len(output.token_ids), finish_reason=output.finish_reason)
+    row["metrics"] = dataclasses.asdict(request_metrics(output.timeline))
+    return row
+
+
+def step_to_json(step: StepRecord) -> dict[str, Any]:
+    """One step in the records schema (its phase label included)."""
+    return {**dataclasses.asdict(step), "phase": step.phase}
+
+
+def request_to_json(request_id: str, timeline: RequestTimeline, num_prompt_tokens: int, num_cached_tokens: int) -> dict:
+    """One request in the records schema."""
     return {
-        "seq": seq,
-        "request_id": output.request_id,
-        "finish_reason": output.finish_reason,
-        "num_prompt_tokens": len(output.prompt_token_ids),
-        "num_cached_tokens": output.num_cached_tokens,
-        "num_output_tokens": len(output.token_ids),
-        "metrics": metrics,
-        "timeline": dataclasses.asdict(output.timeline),
+        "request_id": request_id,
+        "arrival_time": timeline.arrival_time,
+        "scheduled": [dataclasses.asdict(e) for e in timeline.scheduled],
+        "token_times": list(timeline.token_times),
+        "finish_time": timeline.finish_time,
+        "finish_reason": timeline.finish_reason,
+        "num_prompt_tokens": num_prompt_tokens,
+        "num_cached_tokens": num_cached_tokens,
+        "num_preemptions": timeline.num_preemptions,
     }
+
+
+def records_to_json(step_records: Iterable[StepRecord], requests_or_outputs: Iterable[Any]) -> dict:
+    """The records dict from StepRecords and Requests or RequestOutputs (anything with a ``timeline``)."""
+    requests = []
+    for r in requests_or_outputs:
+        num_prompt = getattr(r, "num_prompt_tokens", None)
+        if num_prompt is None:
+            num_prompt = len(r.prompt_token_ids)
+        requests.append(request_to_json(r.request_id, r.timeline, num_prompt, getattr(r, "num_cached_tokens", 0)))
+    return {"schema": SCHEMA, "steps": [step_to_json(s) for s in step_records], "requests": requests}
+
+
+def timeline_from_json(d: dict) -> RequestTimeline:
+    """A RequestTimeline from its records-schema dict."""
+    return RequestTimeline(
+        arrival_time=float(d["arrival_time"]),
+        scheduled=[ScheduledEvent(e["time"], e["num_tokens"], e["is_prompt"], e.get("end_time")) for e in d["scheduled"]],
+        token_times=[float(t) for t in d.get("token_times", [])],
+        finish_time=d.get("finish_time"),
+        finish_reason=d.get("finish_reason"),
+        num_preemptions=int(d.get("num_preemptions", 0)),
+    )
+

@@ -20,14 +20,15 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
+from twophase.metrics.records import SCHEMA, records_to_json, request_to_json, timeline_from_json
 from twophase.metrics.timeline import request_metrics
 from twophase.outputs import StepRecord
-from twophase.request import RequestTimeline, ScheduledEvent
+from twophase.request import RequestTimeline
 
-SCHEMA = "twophase.records.v1"
-
+__all__ = ["SCHEMA", "RunRecords", "RequestRecord", "load_records", "record_engine_run", "records_to_json",
+           "request_to_json"]  # fmt: skip
 
 @dataclass
 class RequestRecord:
@@ -70,32 +71,6 @@ class RunRecords:
         return min(times, default=0.0)
 
 
-def request_to_json(request_id: str, timeline: RequestTimeline, num_prompt_tokens: int, num_cached_tokens: int) -> dict:
-    """One request in the records schema."""
-    return {
-        "request_id": request_id,
-        "arrival_time": timeline.arrival_time,
-        "scheduled": [dataclasses.asdict(e) for e in timeline.scheduled],
-        "token_times": list(timeline.token_times),
-        "finish_time": timeline.finish_time,
-        "finish_reason": timeline.finish_reason,
-        "num_prompt_tokens": num_prompt_tokens,
-        "num_cached_tokens": num_cached_tokens,
-        "num_preemptions": timeline.num_preemptions,
-    }
-
-
-def records_to_json(step_records: Iterable[StepRecord], requests_or_outputs: Iterable[Any]) -> dict:
-    """The records dict from StepRecords and Requests or RequestOutputs (anything with a ``timeline``)."""
-    requests = []
-    for r in requests_or_outputs:
-        num_prompt = getattr(r, "num_prompt_tokens", None)
-        if num_prompt is None:
-            num_prompt = len(r.prompt_token_ids)
-        requests.append(request_to_json(r.request_id, r.timeline, num_prompt, getattr(r, "num_cached_tokens", 0)))
-    return {"schema": SCHEMA, "steps": [dataclasses.asdict(s) for s in step_records], "requests": requests}
-
-
 def record_engine_run(llm, prompts: Sequence[Any], params=None) -> dict:
     """Run the offline engine (``LLM.generate``) and return the records of exactly this run."""
     first_step = len(llm.engine.step_records)
@@ -104,28 +79,20 @@ def record_engine_run(llm, prompts: Sequence[Any], params=None) -> dict:
     return records_to_json(steps, outputs)
 
 
-def _timeline_from_json(d: dict) -> RequestTimeline:
-    return RequestTimeline(
-        arrival_time=float(d["arrival_time"]),
-        scheduled=[ScheduledEvent(e["time"], e["num_tokens"], e["is_prompt"], e.get("end_time")) for e in d["scheduled"]],
-        token_times=[float(t) for t in d.get("token_times", [])],
-        finish_time=d.get("finish_time"),
-        finish_reason=d.get("finish_reason"),
-        num_preemptions=int(d.get("num_preemptions", 0)),
-    )
-
-
 def records_from_json(data: dict) -> RunRecords:
     """RunRecords from a records dict or a bench-serve result dict."""
     if "ttfts" in data and "requests" not in data:
         return _from_bench_serve(data)
     step_fields = {f.name for f in dataclasses.fields(StepRecord)}
-    steps = [StepRecord(**{k: v for k, v in s.items() if k in step_fields}) for s in data.get("steps", [])]
-    requests = [
-        RequestRecord(r["request_id"], _timeline_from_json(r), int(r.get("num_prompt_tokens", 0)),
-                      int(r.get("num_cached_tokens", 0)))  # fmt: skip
-        for r in data.get("requests", [])
-    ]
+    try:
+        steps = [StepRecord(**{k: v for k, v in s.items() if k in step_fields}) for s in data.get("steps", [])]
+        requests = [
+            RequestRecord(r["request_id"], timeline_from_json(r), int(r.get("num_prompt_tokens", 0)),
+                          int(r.get("num_cached_tokens", 0)))  # fmt: skip
+            for r in data.get("requests", [])
+        ]
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"not a twophase records file (schema {SCHEMA}): missing or bad field {exc}") from None
     return RunRecords(steps=steps, requests=requests)
 
 
