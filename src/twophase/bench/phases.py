@@ -115,11 +115,12 @@ def _util(row: dict) -> str:
 
 def format_result(result: dict) -> str:
     """llama-bench's table (plus analytic cost), the batched table and the ceilings summary."""
-    head = f"| {'model':<20} | {'params':>8} | {'dtype':<8} | {'test':>16} | {'t/s':>20} | FLOP/B | GFLOP/s | GB/s | util |"
+    width = max(20, len(result["model"]))
+    head = f"| {'model':<{width}} | {'params':>8} | {'dtype':<8} | {'test':>16} | {'t/s':>20} | FLOP/B | GFLOP/s | GB/s | util |"
     lines = [head, "|" + "|".join("-" * (len(c) + 0) for c in head.split("|")[1:-1]) + "|"]
     for r in result["results"]:
         lines.append(
-            f"| {result['model'][-20:]:<20} | {result['params'] / 1e6:>7.1f}M | {result['dtype']:<8} | {r['name']:>16} "
+            f"| {result['model']:<{width}} | {result['params'] / 1e6:>7.1f}M | {result['dtype']:<8} | {r['name']:>16} "
             f"| {_rate(r):>20} | {r['intensity']:6.1f} | {r['flops_per_s'] / 1e9:7.2f} | {r['bytes_per_s'] / 1e9:4.1f} "
             f"| {_util(r)} |"
         )
