@@ -1,0 +1,39 @@
+"""`twophase generate` and `twophase chat` as a user runs them (a real subprocess on the tiny model)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+
+def run_cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "twophase.cli", *args], input=stdin, capture_output=True, text=True, timeout=180
+    )
+
+
+def test_generate_streams_text_then_phase_summary(tiny_llama_dir):
+    result = run_cli("generate", "--model", str(tiny_llama_dir), "--temperature", "0", "--max-tokens", "8", "hello")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip()  # the generated text
+    summary = [line for line in result.stderr.splitlines() if line.startswith("[prompt")]
+    assert len(summary) == 1
+    assert "cached 0" in summary[0] and "TTFT" in summary[0] and "tok/s" in summary[0] and "finish" in summary[0]
+
+
+def test_generate_raw_and_templated_prompts_differ(tiny_llama_dir):
+    base = ["generate", "--model", str(tiny_llama_dir), "--temperature", "0", "--max-tokens", "4", "hello"]
+    templated, raw = run_cli(*base), run_cli(*base, "--raw")
+    assert templated.returncode == raw.returncode == 0
+    prompt_len = [int(r.stderr.split("[prompt ")[1].split(" ")[0]) for r in (templated, raw)]
+    assert prompt_len[0] > prompt_len[1]  # the chat template adds its role markers
+
+
+def test_chat_keeps_the_conversation(tiny_llama_dir):
+    result = run_cli("chat", "--model", str(tiny_llama_dir), "--temperature", "0", "--max-tokens", "4",
+                     stdin="hello\nand again\n\n")  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    summaries = [line for line in result.stderr.splitlines() if line.startswith("[prompt")]
+    assert len(summaries) == 2
+    first, second = (int(s.split("[prompt ")[1].split(" ")[0]) for s in summaries)
+    assert second > first  # the second turn carries the first turn and its reply
