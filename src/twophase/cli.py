@@ -23,7 +23,10 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument(
+        "--max-num-batched-tokens", type=int, default=None,
+        help="token budget per step (default: 512 on CPU, where a 2048-token step stalls decodes for seconds; 2048 on GPU)",
+    )  # fmt: skip
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 512MiB, 2GiB")
@@ -52,7 +55,7 @@ def engine_config_from_args(args: argparse.Namespace):
         enable_prefix_caching=not args.no_prefix_caching,
     )
     scheduler = SchedulerConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens or (512 if args.device == "cpu" else 2048),
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_chunked_prefill=not args.no_chunked_prefill,
