@@ -88,7 +88,12 @@ class AsyncLLM:
         """Yield one RequestOutput per step for this request. Validation errors raise before the first yield;
         leaving the iterator early (client gone) aborts the request."""
         request = self.make_request(prompt, params, request_id, cache_salt)
-        stream = self.submit(request, detokenize)
+        async for output in self.stream_outputs(request_id, self.submit(request, detokenize)):
+            yield output
+
+    async def stream_outputs(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+        """Yield a submitted request's outputs until it finishes (re-raising engine errors); leaving early
+        (client gone, task cancelled) aborts the request."""
         finished = False
         try:
             while not finished:

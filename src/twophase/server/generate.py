@@ -101,18 +101,12 @@ async def merge_outputs(llm: AsyncLLM, choices: list[Choice], queues: list[async
 
 
 async def _pump(llm: AsyncLLM, choice: Choice, source: asyncio.Queue, sink: asyncio.Queue) -> None:
-    finished = False
+    """Forward one choice's outputs (or its error) into the merged queue."""
     try:
-        while not finished:
-            item = await source.get()
-            if isinstance(item, BaseException):
-                sink.put_nowait((choice.index, item))
-                return
-            finished = item.finished
-            sink.put_nowait((choice.index, item))
-    finally:
-        if not finished:
-            llm.abort(choice.request_id)
+        async for output in llm.stream_outputs(choice.request_id, source):
+            sink.put_nowait((choice.index, output))
+    except Exception as exc:  # noqa: BLE001 — delivered to the merged stream's reader
+        sink.put_nowait((choice.index, exc))
 
 
 async def collect_finals(http_request: HTTPRequest, stream: AsyncIterator[tuple[int, RequestOutput]],
