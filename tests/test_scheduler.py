@@ -168,3 +168,12 @@ def test_prefix_cache_hit_counts_cached_tokens():
     out, _ = run_step(sched)
     assert out.scheduled[0].start_position == 8 and len(out.scheduled[0].token_ids) == 2
     assert sched.block_manager.stats.num_queries == 20 and sched.block_manager.stats.num_hits == 8
+
+
+def test_token_ids_between_spans_prompt_and_output():
+    req = make_request("a", 5)
+    req.output_token_ids.extend([50, 51, 52])
+    full = req.all_token_ids
+    for start in range(len(full)):
+        for end in range(start, len(full) + 1):
+            assert req.token_ids_between(start, end) == full[start:end]

@@ -128,7 +128,7 @@ class Scheduler:
     def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int, now: float) -> None:
         start = request.num_computed_tokens
         is_decode = num_new == 1 and request.num_output_tokens > 0 and start == request.num_tokens - 1
-        token_ids = request.all_token_ids[start : start + num_new]
+        token_ids = request.token_ids_between(start, start + num_new)
         output.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
