@@ -23,8 +23,8 @@ class RMSNorm(nn.Module):
         """Normalise each row."""
         dtype = x.dtype
         x32 = x.to(torch.float32) if dtype != torch.float64 else x
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(dtype)
+        normed = torch.nn.functional.rms_norm(x32, (x32.shape[-1],), eps=self.eps)  # one fused op
+        return self.weight * normed.to(dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
