@@ -15,22 +15,24 @@ import torch.nn.functional as F
 
 
 @dataclass
+class PrefillChunk:
+    """One request with several query tokens in this step (a prompt chunk or a recompute)."""
+
+    token_start: int  # offset of its tokens in the flat batch
+    token_end: int
+    context_slots: torch.Tensor  # [seq_len] cache slots of positions 0..seq_len-1
+    mask: torch.Tensor  # [num_q, seq_len] True where a key is visible (causal, offset by the start position)
+
+
+@dataclass
 class AttentionMetadata:
-    """Per-step attention inputs, built once per step by the model runner (vectorised)."""
+    """Per-step attention inputs, built once per step by the model runner and read by every layer."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
-    query_start_loc: list[int]  # [num_reqs + 1]: offsets of each request's tokens in the flat batch
-    seq_lens: list[int]  # [num_reqs]: context length of each request after this step
-    block_tables: torch.Tensor  # [num_reqs, max_blocks] int64 (padded with 0)
-    block_size: int
-    decode_rows: torch.Tensor | None = None  # indices of requests with exactly one query token
+    prefill_chunks: list[PrefillChunk]
+    decode_token_indices: torch.Tensor | None = None  # [num_decode] flat-batch rows of single-token requests
     decode_context_slots: torch.Tensor | None = None  # [num_decode, max_len] slots of their contexts
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_len] True where a key is visible
-
-    @property
-    def num_reqs(self) -> int:
-        """Requests in the batch."""
-        return len(self.seq_lens)
 
 
 class AttentionBackend(Protocol):
@@ -48,14 +50,6 @@ class AttentionBackend(Protocol):
         ...
 
 
-def context_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Slots of positions 0..max_len-1 for each row of ``block_tables`` ([rows, max_len]; pads point at slot of block 0)."""
-    max_len = int(seq_lens.max())
-    positions = torch.arange(max_len, device=block_tables.device)  # [max_len]
-    blocks = block_tables[:, positions // block_size]  # [rows, max_len]
-    return blocks * block_size + positions % block_size
-
-
 class TorchPagedAttention:
     """Reference backend in plain torch (CPU and CUDA): decode rows batched in one SDPA call with a
     padding mask; each prefill chunk in its own causal SDPA call over its gathered context."""
@@ -67,43 +61,34 @@ class TorchPagedAttention:
         self.scale = head_dim**-0.5
 
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """Write new K/V through the slot mapping, then attend per request."""
+        """Write new K/V through the slot mapping, then attend: decode rows together, prefill chunks each."""
         k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
         v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)
-        if meta.decode_rows is not None and len(meta.decode_rows):
+        if meta.decode_token_indices is not None:
             self._decode(q, k_cache, v_cache, meta, out)
-        decode_set = set(meta.decode_rows.tolist()) if meta.decode_rows is not None else set()
-        starts = meta.query_start_loc
-        for row in range(meta.num_reqs):
-            if row in decode_set:
-                continue
-            lo, hi = starts[row], starts[row + 1]
-            out[lo:hi] = self._prefill_one(q[lo:hi], k_cache, v_cache, meta, row)
+        for chunk in meta.prefill_chunks:
+            lo, hi = chunk.token_start, chunk.token_end
+            out[lo:hi] = self._prefill_chunk(q[lo:hi], k_cache, v_cache, chunk)
         return out
 
-    def _prefill_one(self, q, k_cache, v_cache, meta: AttentionMetadata, row: int) -> torch.Tensor:
-        num_q, seq_len = q.shape[0], meta.seq_lens[row]
-        positions = torch.arange(seq_len, device=q.device)
-        slots = meta.block_tables[row, positions // meta.block_size] * meta.block_size + positions % meta.block_size
-        keys = k_cache[slots].transpose(0, 1).to(q.dtype)  # [kv_heads, seq_len, head_dim]
-        values = v_cache[slots].transpose(0, 1).to(q.dtype)
-        # GQA without copying K/V: the query heads of one KV head become extra query rows of that head
+    def _prefill_chunk(self, q, k_cache, v_cache, chunk: PrefillChunk) -> torch.Tensor:
+        num_q, seq_len = q.shape[0], chunk.mask.shape[1]
+        kv_shape = (self.num_kv_heads, self.num_groups, seq_len, q.shape[-1])
+        # GQA without copying K/V: each KV head is viewed once per query head of its group
+        keys = k_cache[chunk.context_slots].transpose(0, 1)[:, None].expand(kv_shape)  # [kvh, groups, seq_len, D]
+        values = v_cache[chunk.context_slots].transpose(0, 1)[:, None].expand(kv_shape)
         query = q.view(num_q, self.num_kv_heads, self.num_groups, -1).permute(1, 2, 0, 3)  # [kvh, groups, num_q, D]
-        query = query.reshape(self.num_kv_heads, self.num_groups * num_q, -1)  # [kvh, groups * num_q, D]
-        q_pos = torch.arange(seq_len - num_q, seq_len, device=q.device)  # [num_q]
-        mask = (positions[None, :] <= q_pos[:, None]).repeat(self.num_groups, 1)  # [groups * num_q, seq_len]
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask, scale=self.scale)
-        out = out.view(self.num_kv_heads, self.num_groups, num_q, -1).permute(2, 0, 1, 3)  # [num_q, kvh, groups, D]
-        return out.reshape(num_q, self.num_heads, -1)
+        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask, scale=self.scale)
+        return out.permute(2, 0, 1, 3).reshape(num_q, self.num_heads, -1)  # [num_q, heads, D]
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
-        token_idx = torch.tensor(meta.query_start_loc, device=q.device)[meta.decode_rows]  # [num_decode]
+        token_idx = meta.decode_token_indices  # [num_decode]
         num_decode = len(token_idx)
         # [num_decode, kvh, groups, D]: each KV head's query heads act as its query rows
         query = q[token_idx].view(num_decode, self.num_kv_heads, self.num_groups, -1)
         slots = meta.decode_context_slots  # [num_decode, max_len]
-        keys = k_cache[slots].permute(0, 2, 1, 3).to(q.dtype)  # [num_decode, kvh, max_len, D]
-        values = v_cache[slots].permute(0, 2, 1, 3).to(q.dtype)
+        keys = k_cache[slots].permute(0, 2, 1, 3)  # [num_decode, kvh, max_len, D]
+        values = v_cache[slots].permute(0, 2, 1, 3)
         res = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
         out[token_idx] = res.reshape(num_decode, self.num_heads, -1)
