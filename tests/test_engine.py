@@ -89,3 +89,11 @@ def test_chat_applies_template(llm):
     out = llm.chat([{"role": "user", "content": "hi"}], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))[0]
     rendered = llm.tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True)
     assert out.prompt_token_ids == llm.tokenizer.encode(rendered, add_special_tokens=False)
+
+
+def test_streamed_logprob_deltas_add_up(llm):
+    params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
+    outputs = list(llm.stream("hello", params))
+    deltas = [lp for o in outputs for lp in o.new_logprobs]
+    assert [lp.token_id for lp in deltas] == outputs[-1].token_ids
+    assert deltas == outputs[-1].logprobs

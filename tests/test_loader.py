@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tiny_models import default_model_path, write_tiny_gguf, write_tiny_llama
+from tiny_models import write_tiny_gguf, write_tiny_llama
 from twophase.config import ConfigError
 from twophase.loader import ModelLoadError, ModelNotFoundError, open_model_source, pull, resolve
 from twophase.loader.store import model_path, store_entry
@@ -164,10 +164,8 @@ def test_store_dir_with_gguf_opens(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert open_model_source("smollm2-135m-instruct").config.hidden_size == 64
 
 
-def test_real_smollm2_config() -> None:
-    path = default_model_path()
-    if path is None:
-        pytest.skip("default model not in the store (run `twophase pull smollm2-135m-instruct`)")
+def test_real_smollm2_config(default_model: Path) -> None:
+    path = default_model
     cfg = open_model_source(path).config
     assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads) == (576, 30, 9, 3)
     assert cfg.vocab_size == 49152 and cfg.tie_word_embeddings and cfg.head_dim == 64
@@ -175,10 +173,8 @@ def test_real_smollm2_config() -> None:
 
 
 @pytest.mark.slow
-def test_real_smollm2_weights_match_transformers() -> None:
-    path = default_model_path()
-    if path is None:
-        pytest.skip("default model not in the store")
+def test_real_smollm2_weights_match_transformers(default_model: Path) -> None:
+    path = default_model
     from transformers import AutoConfig, LlamaForCausalLM
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 

@@ -132,11 +132,17 @@ def test_infeasible_requests_rejected_at_admission():
 
 
 def test_waiting_queue_limit():
-    sched = make_scheduler(max_waiting_requests=1)
+    sched = make_scheduler(max_waiting_requests=2)
     sched.add_request(make_request("a", 4))
+    sched.check_admission(make_request("b", 4))  # room for one more
     with pytest.raises(QueueFullError):
-        sched.add_request(make_request("b", 4))
-    assert list(sched.requests) == ["a"]
+        sched.check_admission(make_request("b", 4), num_ahead=1)  # one accepted, not yet queued
+    sched.add_request(make_request("b", 4))
+    with pytest.raises(QueueFullError):
+        sched.check_admission(make_request("c", 4))
+    assert list(sched.requests) == ["a", "b"]
+    run_step(sched)  # both admitted to running: the queue has room again
+    sched.check_admission(make_request("c", 4), num_ahead=1)
 
 
 def test_stop_conditions():

@@ -10,7 +10,7 @@ import httpx
 import openai
 import pytest
 
-from server_harness import MODEL_NAME, ServerProcess, write_server_model
+from server_harness import MODEL_NAME, ServerProcess, scrape, write_server_model
 
 KEY = "s3cret-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -86,6 +86,17 @@ def test_overload_gets_503_and_accepted_complete(server):
         else:
             assert response.json()["usage"]["completion_tokens"] == 60
     assert httpx.post(f"{server.base_url}/v1/completions", json=_body(), headers=AUTH).status_code == 200
+
+
+def test_choices_beyond_the_waiting_limit_are_refused_whole(server):
+    """n choices count against the waiting limit (2): n=3 on an idle server is refused, nothing is queued."""
+    before = scrape(server.base_url, AUTH)
+    response = httpx.post(f"{server.base_url}/v1/completions", json=_body(n=3), headers=AUTH, timeout=30)
+    assert response.status_code == 503 and response.json()["error"]["code"] == "queue_full"
+    after = scrape(server.base_url, AUTH)
+    key = ("vllm:prompt_tokens_total", ())
+    assert after.get(key, 0.0) == before.get(key, 0.0)  # no choice ran
+    assert httpx.post(f"{server.base_url}/v1/completions", json=_body(n=2), headers=AUTH, timeout=60).status_code == 200
 
 
 def test_sigterm_finishes_in_flight_and_exits_zero(server):

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from tiny_models import default_model_path, write_tiny_gguf, write_tiny_llama
+from tiny_models import write_tiny_gguf, write_tiny_llama
 from twophase.loader import open_model_source
 from twophase.sampling_params import InvalidRequestError
 from twophase.tokenizer import Tokenizer, load_tokenizer
@@ -35,10 +35,8 @@ def tiny_tok(tiny_dir: Path) -> Tokenizer:
 
 
 @pytest.fixture(scope="module")
-def smol() -> tuple[Tokenizer, object]:
-    path = default_model_path()
-    if path is None:
-        pytest.skip("default model not in the store (run `twophase pull smollm2-135m-instruct`)")
+def smol(default_model: Path) -> tuple[Tokenizer, object]:
+    path = default_model
     from transformers import AutoTokenizer
 
     reference = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)

@@ -190,10 +190,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _is_user_error(exc: Exception) -> bool:
+    """Errors the user can act on (bad input, a missing or broken model) rather than bugs."""
     from twophase.config import ConfigError
+    from twophase.loader import ModelLoadError
 
-    names = {"ModelLoadError", "ModelNotFoundError", "InvalidRequestError", "StoreError"}
-    return isinstance(exc, (InvalidRequestError, ConfigError, FileNotFoundError, ValueError)) or type(exc).__name__ in names
+    return isinstance(exc, (InvalidRequestError, ConfigError, ModelLoadError, FileNotFoundError, ValueError))
 
 
 if __name__ == "__main__":

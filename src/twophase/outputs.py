@@ -88,6 +88,7 @@ class RequestOutput:
     num_cached_tokens: int
     timeline: RequestTimeline
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # for all generated tokens so far
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for this step's new tokens
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
 
 

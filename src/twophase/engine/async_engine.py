@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import AsyncIterator, Callable, Protocol
 
 from twophase.engine.llm_engine import LLMEngine
-from twophase.engine.scheduler import QueueFullError
 from twophase.outputs import EngineStats, RequestOutput, StepRecord
 from twophase.request import Request
 from twophase.sampling_params import SamplingParams
@@ -49,7 +48,8 @@ class AsyncLLM:
         self.last_loop_time = time.monotonic()  # the loop's heartbeat (updated when idle too)
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
-        self._num_pending = 0
+        self._num_pending = 0  # accepted, not yet in the scheduler's queue (guarded by _pending_lock)
+        self._pending_lock = threading.Lock()
         self._wakeup = threading.Event()
         self._stop = threading.Event()
         self._error: BaseException | None = None
@@ -106,20 +106,21 @@ class AsyncLLM:
             if not finished:
                 self.abort(request_id)
 
-    def make_request(self, prompt, params: SamplingParams, request_id: str, cache_salt: str | None = None) -> Request:
-        """Validate (raises InvalidRequestError / QueueFullError) without queuing."""
+    def make_request(
+        self, prompt, params: SamplingParams, request_id: str, cache_salt: str | None = None, num_ahead: int = 0
+    ) -> Request:
+        """Validate (raises InvalidRequestError / QueueFullError) without queuing. ``num_ahead``: requests of the
+        same call validated before this one and not yet submitted."""
         if self._error is not None or not self._thread.is_alive():
             raise EngineDeadError("the engine loop is not running")
-        limit = self.engine.scheduler_config.max_waiting_requests
-        if limit is not None and self._num_pending + len(self.engine.scheduler.waiting) >= limit:
-            raise QueueFullError(f"waiting queue full ({limit} requests)")
-        return self.engine.make_request(prompt, params, request_id, cache_salt)
+        return self.engine.make_request(prompt, params, request_id, cache_salt, num_ahead=self._num_pending + num_ahead)
 
     def submit(self, request: Request, detokenize: bool = True) -> asyncio.Queue:
         """Hand a validated request to the loop; returns the queue its outputs arrive on."""
         stream = _Stream(asyncio.Queue(), asyncio.get_running_loop())
         self._streams[request.request_id] = stream
-        self._num_pending += 1
+        with self._pending_lock:
+            self._num_pending += 1
         self._commands.put(("add", (request, detokenize)))
         self._wakeup.set()
         return stream.queue
@@ -166,13 +167,14 @@ class AsyncLLM:
                 arg(self.engine)
 
     def _add(self, request: Request, detokenize: bool) -> None:
-        self._num_pending -= 1
-        if request.request_id not in self._streams:
-            return  # aborted before it reached the loop
         try:
-            self.engine.enqueue(request, detokenize=detokenize)
-        except Exception as exc:  # noqa: BLE001 — e.g. the queue filled meanwhile
+            if request.request_id in self._streams:  # else: aborted before it reached the loop
+                self.engine.enqueue(request, detokenize=detokenize)
+        except Exception as exc:  # noqa: BLE001 — reported on the request's own stream
             self._push(request.request_id, exc)
+        finally:
+            with self._pending_lock:
+                self._num_pending -= 1  # only now is it counted in the waiting queue
 
     def _emit_abort(self, request_id: str) -> None:
         output = self.engine.abort_request(request_id)

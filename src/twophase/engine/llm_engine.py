@@ -86,8 +86,10 @@ class LLMEngine:
         request_id: str | None = None,
         cache_salt: str | None = None,
         arrival_time: float | None = None,
+        num_ahead: int = 0,
     ) -> Request:
-        """Build and fully validate a Request without touching engine state (safe from any thread)."""
+        """Build and fully validate a Request without touching engine state (safe from any thread).
+        ``num_ahead``: requests accepted but not yet queued, counted against the waiting-queue limit."""
         params = params or SamplingParams()
         params.validate()
         prompt_token_ids = self.tokenize_prompt(prompt)
@@ -96,7 +98,7 @@ class LLMEngine:
             prompt_token_ids, params, arrival_time=arrival_time, cache_salt=cache_salt,
             eos_token_ids=self.eos_token_ids,
         )  # fmt: skip
-        self.scheduler.check_feasible(request)
+        self.scheduler.check_admission(request, num_ahead)
         return request
 
     def enqueue(self, request: Request, detokenize: bool = True) -> None:

@@ -50,6 +50,7 @@ class OutputProcessor:
                 new_text += state.detokenizer.flush()
         finished = update.finished or stop_hit
         output = self._output(request, update.new_token_ids, new_text, finished, "stop" if stop_hit else None)
+        output.new_logprobs = list(update.new_logprobs)
         if finished:
             self.states.pop(request.request_id, None)
         return output, stop_hit and not update.finished

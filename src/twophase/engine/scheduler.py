@@ -42,15 +42,20 @@ class Scheduler:
 
     # ---- admission -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
-        """Queue a request, or raise (changing nothing) if it can never run or the queue is full."""
+        """Queue an admitted request (see ``check_admission``); raises, changing nothing, if it can never run."""
         self.check_feasible(request)
-        limit = self.config.max_waiting_requests
-        if limit is not None and len(self.waiting) >= limit:
-            raise QueueFullError(f"waiting queue full ({limit} requests)")
         if request.request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request.request_id!r}", "request_id")
         self.requests[request.request_id] = request
         self.waiting.append(request)
+
+    def check_admission(self, request: Request, num_ahead: int = 0) -> None:
+        """Raise (reading state only) unless the request can run and the waiting queue has room for it behind
+        ``num_ahead`` requests already accepted but not yet queued."""
+        self.check_feasible(request)
+        limit = self.config.max_waiting_requests
+        if limit is not None and len(self.waiting) + num_ahead >= limit:
+            raise QueueFullError(f"waiting queue full ({limit} requests)")
 
     def check_feasible(self, request: Request) -> None:
         """Reject a request that could never fit the model length or the KV pool."""

@@ -76,7 +76,8 @@ def make_choices(request_id: str, prompts: list[list[int]], params: SamplingPara
 
 def submit_all(llm: AsyncLLM, choices: list[Choice], cache_salt: str | None) -> list[asyncio.Queue]:
     """Validate every choice (InvalidRequestError / QueueFullError raise here, nothing queued), then queue all."""
-    requests = [llm.make_request(c.prompt_ids, c.params, c.request_id, cache_salt) for c in choices]
+    requests = [llm.make_request(c.prompt_ids, c.params, c.request_id, cache_salt, num_ahead=i)
+                for i, c in enumerate(choices)]  # fmt: skip
     return [llm.submit(r) for r in requests]
 
 

@@ -40,13 +40,6 @@ def usage_of(outputs: dict[int, RequestOutput], n: int) -> Usage:
                  prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
-def new_logprobs(output: RequestOutput) -> list[TokenLogprobs]:
-    """Logprobs of this step's new tokens."""
-    if not output.logprobs:
-        return []
-    return output.logprobs[len(output.token_ids) - len(output.new_token_ids):]
-
-
 def completion_logprobs(entries: list[TokenLogprobs], token_text: TokenText, offset: int = 0) -> CompletionLogprobs:
     """Legacy completions logprobs; ``offset`` is the text offset of the first token."""
     result = CompletionLogprobs()

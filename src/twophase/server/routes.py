@@ -181,7 +181,7 @@ def _chat_chunk(job: Job, index: int, delta: DeltaMessage, **fields) -> ChatComp
 
 
 def _delta_chunk(job: Job, index: int, output: RequestOutput, token_text, offsets: dict[int, int]):
-    entries = R.new_logprobs(output) if job.num_top_logprobs is not None else []
+    entries = output.new_logprobs if job.num_top_logprobs is not None else []
     reason = R.finish_reason(output)
     offset = offsets.get(index, 0)
     offsets[index] = offset + len(output.new_text)
