@@ -10,7 +10,7 @@ PORT      ?= 8000
 TORCH_SPEC ?= $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 'torch>=2.5' || echo 'torch==2.13.0')
 PYTEST_ARGS ?=
 
-.PHONY: setup model test test-all serve generate bench clean
+.PHONY: setup model test test-all serve generate bench bench-compare clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,7 +19,12 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
-setup: $(VENV)/.installed
+# our C++ CPU kernels, compiled once into $$TWOPHASE_HOME/extensions (the engine falls back to plain torch without them)
+$(VENV)/.kernels: $(VENV)/.installed $(wildcard src/twophase/model/ops/csrc/*)
+	$(PY) -m twophase.model.ops.extension
+	touch $@
+
+setup: $(VENV)/.installed $(VENV)/.kernels
 
 model: setup
 	$(TWOPHASE) pull $(MODEL)
@@ -38,6 +43,11 @@ generate: setup model
 
 bench: setup model
 	$(PY) benchmarks/bench_engine.py --model $(MODEL)
+
+# twophase vs llama.cpp vs vLLM CPU, one table; builds / installs the peers under $TWOPHASE_HOME/peers on first use.
+# e.g. make bench-compare COMPARE_ARGS='--quick'   or   COMPARE_ARGS='--only llamacpp --precisions f32,bf16,q8_0,q4_1'
+bench-compare: setup model
+	$(PY) benchmarks/compare.py --model $(MODEL) --install $(COMPARE_ARGS)
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache

@@ -5,10 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from prerequisites import import_or_missing
 from twophase import LLM, SamplingParams
 from twophase.outputs import ScheduledRequest, SchedulerOutput
 
-transformers = pytest.importorskip("transformers")
+transformers = import_or_missing("transformers", module_level=True)
 
 PROMPTS = [[5, 17, 3, 88, 41], [60, 2, 33, 71, 14, 8, 8, 9, 100, 250, 7, 7, 31], [9], [300, 301, 302, 303, 304, 305, 306, 307]]
 
@@ -70,7 +71,7 @@ CHAT_PROMPTS = [
 
 
 def test_smollm2_greedy_matches_hf(default_model):
-    pytest.importorskip("accelerate")  # transformers needs it to read GGUF
+    import_or_missing("accelerate")  # transformers needs it to read GGUF
     ours = LLM(str(default_model), dtype="float32", progress=False)
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         default_model.parent, gguf_file=default_model.name, dtype=torch.float32

@@ -208,3 +208,65 @@ def test_top_k_top_p_window_matches_full_sort(scale: float) -> None:
         assert torch.equal(out[i] > float("-inf"), reference_keep(logits[i], top_k[i], top_p[i]))
         kept = out[i] > float("-inf")
         assert torch.equal(out[i][kept], logits[i][kept])
+
+
+# ---- logit_bias, allowed_token_ids, bad_words ------------------------------------------------------------------
+
+
+def test_logit_bias_plus_100_forces_and_minus_100_bans() -> None:
+    sampler = Sampler(VOCAB, seed=3)
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(2)) * 3
+    assert sample_many(sampler, logits, 64, temperature=1.0, logit_bias={"7": 100}) == {7}
+    favourite = int(logits.argmax())
+    banned = sample_many(sampler, logits, 64, temperature=1.0, logit_bias={favourite: -100})
+    assert favourite not in banned and len(banned) > 1
+    greedy = sampler(logits.unsqueeze(0), [state(sampler, temperature=0.0, logit_bias={favourite: -100})])
+    assert greedy.token_ids[0] == int(logits.clone().index_fill_(0, torch.tensor([favourite]), -1e9).argmax())
+
+
+def test_logit_bias_leaves_other_rows_and_logprobs_alone() -> None:
+    sampler = Sampler(VOCAB)
+    logits = torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(4))
+    states = [state(sampler, temperature=0.0, logit_bias={5: 100}, logprobs=1), state(sampler, temperature=0.0)]
+    out = sampler(logits, states)
+    assert out.token_ids == [5, int(logits[1].argmax())]
+    assert math.isclose(out.logprobs[0].logprob, float(logits[0].log_softmax(-1)[5]), rel_tol=1e-5)
+
+
+def test_allowed_token_ids_restrict_sampling() -> None:
+    sampler = Sampler(VOCAB, seed=5)
+    logits = torch.randn(VOCAB, generator=torch.Generator().manual_seed(6))
+    drawn = sample_many(sampler, logits, 128, temperature=1.0, allowed_token_ids=[3, 9, 20])
+    assert drawn == {3, 9, 20}
+    assert sample_many(sampler, logits, 4, temperature=0.0, allowed_token_ids=[11]) == {11}
+
+
+def test_bad_words_ban_single_tokens_and_last_token_after_prefix() -> None:
+    sampler = Sampler(VOCAB, seed=7)
+    logits = torch.zeros(VOCAB)
+    logits[4], logits[6] = 10.0, 9.0  # 4 is the favourite, then 6
+    params = SamplingParams(max_tokens=100, temperature=0.0, bad_words=["x", "yz"])
+    params.bad_words_token_ids = [[4], [1, 6]]  # as ``resolve`` would give: "x" -> [4], "yz" -> [1, 6]
+    fresh = sampler.make_state(params, [0], [], (EOS,))
+    after_prefix = sampler.make_state(params, [0], [2, 1], (EOS,))  # output ends with 1: 6 would complete "yz"
+    other = sampler.make_state(params, [0], [1, 2], (EOS,))
+    out = sampler(logits.expand(3, -1), [fresh, after_prefix, other]).token_ids
+    assert out[0] == 6 and out[1] not in (4, 6) and out[2] == 6
+
+
+def test_resolve_checks_vocabulary_and_tokenizes_bad_words() -> None:
+    from twophase.sampling_params import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(logit_bias={"40": 1}).resolve(VOCAB, lambda text: [1])
+    assert info.value.param == "logit_bias"
+    with pytest.raises(InvalidRequestError) as info:
+        SamplingParams(allowed_token_ids=[1, VOCAB]).resolve(VOCAB, lambda text: [1])
+    assert info.value.param == "allowed_token_ids"
+    for bad in ({"a": 1}, {"1": 100.5}, {"1": float("nan")}, {-1: 1}):
+        with pytest.raises(InvalidRequestError):
+            SamplingParams(logit_bias=bad)
+    spelled = {"hat": [5], " hat": [6], "red hat": [7, 5], " red hat": [8, 5]}
+    params = SamplingParams(bad_words=["hat", "red hat"])
+    params.resolve(VOCAB, spelled.__getitem__)
+    assert params.bad_words_token_ids == [[5], [6], [7, 5], [8, 5]]

@@ -69,6 +69,24 @@ def test_unchunked_waits_for_budget():
     assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("b", 8)]
 
 
+def test_unchunked_prompt_over_budget_runs_whole_in_a_step_of_its_own():
+    sched = make_scheduler(budget=8, enable_chunked_prefill=False)
+    sched.add_request(make_request("a", 4))
+    sched.add_request(make_request("long", 20, first=50))  # 20 > budget 8, < max_model_len 64
+    sched.add_request(make_request("c", 2, first=90))
+    out, _ = run_step(sched)
+    assert [s.request_id for s in out.scheduled] == ["a"]  # long waits: not first in the step
+    while "a" in sched.requests:
+        run_step(sched)
+    out, _ = run_step(sched)
+    assert [(s.request_id, len(s.token_ids), s.sample) for s in out.scheduled] == [("long", 20, True)]
+    out, _ = run_step(sched)  # the budget is spent by long's decode + c's whole prompt
+    assert [(s.request_id, len(s.token_ids)) for s in out.scheduled] == [("long", 1), ("c", 2)]
+    while sched.has_unfinished:
+        run_step(sched)
+    sched.check_invariants()
+
+
 def test_max_num_seqs_limits_running():
     sched = make_scheduler(budget=64, max_seqs=2)
     for i in range(3):

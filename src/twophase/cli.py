@@ -20,7 +20,18 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     from twophase.loader import DEFAULT_MODEL
 
     parser.add_argument("--model", "-m", default=DEFAULT_MODEL, help="store name, HF directory or .gguf path")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+        help="auto: bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, float32 on other CPUs",
+    )  # fmt: skip
+    parser.add_argument(
+        "--quantization", "-q", default="none", choices=["none", "int8", "q8_0", "q4_1", "gguf"],
+        help="weight-only quantized execution, activations float32: int8 per channel, GGUF Q8_0 / Q4_1 blocks "
+        "(taken as stored from a GGUF file, else quantized at load), or gguf: each weight as the GGUF file stores it",
+    )  # fmt: skip
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "kernel"])
+    parser.add_argument("--linear-backend", default="auto", choices=["auto", "torch"], help="torch: F.linear reference")
+    parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument(
@@ -29,7 +40,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--kv-cache-memory", default="1GiB", help="KV cache budget, e.g. 512MiB, 2GiB")
+    parser.add_argument(
+        "--kv-cache-memory", default="auto",
+        help="KV cache budget, e.g. 512MiB, 2GiB; auto: enough for max-num-seqs full-length sequences, at most "
+        "40%% of the memory available after loading the weights",
+    )  # fmt: skip
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--no-chunked-prefill", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
@@ -51,7 +66,7 @@ def engine_config_from_args(args: argparse.Namespace):
 
     cache = CacheConfig(
         block_size=args.block_size,
-        kv_cache_memory_bytes=parse_bytes(args.kv_cache_memory),
+        kv_cache_memory_bytes=None if args.kv_cache_memory == "auto" else parse_bytes(args.kv_cache_memory),
         enable_prefix_caching=not args.no_prefix_caching,
     )
     scheduler = SchedulerConfig(
@@ -61,7 +76,11 @@ def engine_config_from_args(args: argparse.Namespace):
         enable_chunked_prefill=not args.no_chunked_prefill,
         max_waiting_requests=getattr(args, "max_waiting_requests", None),
     )
-    return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, cache=cache, scheduler=scheduler)
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, cache=cache, scheduler=scheduler,
+        quantization=args.quantization, attention_backend=args.attention_backend,
+        linear_backend=args.linear_backend, num_threads=args.threads,
+    )  # fmt: skip
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser) -> None:

@@ -111,10 +111,11 @@ def _freeze(d: dict[str, Any] | None) -> tuple[tuple[str, Any], ...] | None:
 
 @dataclass(frozen=True)
 class CacheConfig:
-    """Paged KV cache settings. ``num_blocks`` overrides the memory budget when set (tests use it)."""
+    """Paged KV cache settings. ``num_blocks`` overrides the memory budget when set (tests use it);
+    ``kv_cache_memory_bytes`` None sizes the cache from free memory after the weights are loaded."""
 
     block_size: int = 16
-    kv_cache_memory_bytes: int = 1 << 30
+    kv_cache_memory_bytes: int | None = None
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
 
@@ -138,5 +139,9 @@ class EngineConfig:
     dtype: str = "auto"  # auto | float32 | bfloat16 | float16
     device: str = "cpu"
     seed: int = 0
+    quantization: str = "none"  # none | int8 | q8_0 | q4_1 (weight-only; see model/ops/linear.py)
+    attention_backend: str = "auto"  # auto | torch | kernel
+    linear_backend: str = "auto"  # auto (our C++ kernels when they build) | torch (F.linear, the reference)
+    num_threads: int | None = None  # intra-op threads; None: the physical cores
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

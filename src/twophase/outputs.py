@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from twophase.request import RequestTimeline
+from twophase.sampling_params import SamplingParams
 
 
 def step_phase(num_prompt_tokens: int, num_decode_tokens: int) -> str:
@@ -27,13 +28,30 @@ class ScheduledRequest:
 
 
 @dataclass
+class NewRequestData:
+    """What the model runner keeps about a request for its whole life, sent once, at its first step."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: tuple[int, ...]
+
+
+@dataclass
 class SchedulerOutput:
-    """One step's flat batch, in order: decode tokens of running requests, then prompt chunks."""
+    """One step's flat batch, in order: decode tokens of running requests, then prompt chunks.
+
+    Everything the runner learns arrives here: requests scheduled for the first time (``new_requests``, whose
+    state the runner then keeps) and requests that ended since the previous step (``finished_request_ids``,
+    whose state it drops).
+    """
 
     step_id: int
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_request_ids: list[str] = field(default_factory=list)
     num_blocks_in_use: int = 0
+    new_requests: list[NewRequestData] = field(default_factory=list)
+    finished_request_ids: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -75,7 +93,10 @@ class ModelRunnerOutput:
 
 @dataclass
 class RequestOutput:
-    """What a caller sees after each step for one request (cumulative fields + the delta)."""
+    """What a caller sees after each step for one request (cumulative fields + the delta).
+
+    While the request runs, ``token_ids`` and ``logprobs`` are live views of the engine's lists (they grow with
+    later steps; copy them to keep a snapshot); a finished output owns its lists."""
 
     request_id: str
     prompt_token_ids: list[int]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Callable
+
+MAX_LOGIT_BIAS = 100.0
 
 
 class InvalidRequestError(ValueError):
@@ -35,6 +38,10 @@ class SamplingParams:
     logprobs: int | None = None  # number of top logprobs to return with each sampled token
     include_stop_str_in_output: bool = False
     n: int = 1
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit, in [-100, 100]
+    allowed_token_ids: list[int] | None = None  # None: every token; else only these may be sampled
+    bad_words: list[str] = field(default_factory=list)  # never generate these (token sequences, as vLLM)
+    bad_words_token_ids: list[list[int]] = field(default_factory=list)  # derived by ``resolve``
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -43,6 +50,8 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == -1:
             self.top_k = 0
+        self.logit_bias = _token_id_keys(self.logit_bias or {})
+        self.bad_words = list(self.bad_words or [])
         self.validate()
 
     def validate(self) -> None:
@@ -75,6 +84,36 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must be non-empty strings", "stop")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
+        self._validate_token_controls()
+
+    def _validate_token_controls(self) -> None:
+        for bias in self.logit_bias.values():
+            _finite_range("logit_bias", bias, -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        if self.allowed_token_ids is not None:
+            ids = self.allowed_token_ids
+            if not isinstance(ids, list) or not ids or any(_not_token_id(t) for t in ids):
+                raise InvalidRequestError("allowed_token_ids must be a non-empty list of token ids",
+                                          "allowed_token_ids")
+        if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
+            raise InvalidRequestError("bad_words must be non-empty strings", "bad_words")
+
+    def resolve(self, vocab_size: int, encode: Callable[[str], list[int]]) -> None:
+        """Check token ids against the vocabulary and tokenize ``bad_words`` (needs the model's tokenizer).
+
+        ``encode`` must not add special tokens. Each bad word is banned as spelled and, when that tokenizes to
+        the same length with a different first token, with a leading space (vLLM's rule).
+        """
+        if any(t >= vocab_size for t in self.logit_bias):
+            raise InvalidRequestError(f"logit_bias keys must be token ids in [0, {vocab_size})", "logit_bias")
+        if any(t >= vocab_size for t in self.allowed_token_ids or []):
+            raise InvalidRequestError(f"allowed_token_ids must be in [0, {vocab_size})", "allowed_token_ids")
+        self.bad_words_token_ids = []
+        for word in self.bad_words:
+            plain = encode(word.lstrip())
+            spaced = encode(" " + word.lstrip())
+            self.bad_words_token_ids.append(plain)
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                self.bad_words_token_ids.append(spaced)
 
     @property
     def greedy(self) -> bool:
@@ -89,6 +128,23 @@ def _finite_range(name: str, value: float, low: float, high: float) -> None:
         raise InvalidRequestError(f"{name} must be finite, got {value}", name)
     if not low <= value <= high:
         raise InvalidRequestError(f"{name} must be in [{low}, {high}], got {value}", name)
+
+
+def _not_token_id(value: object) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int) or value < 0
+
+
+def _token_id_keys(bias: dict) -> dict[int, float]:
+    """``logit_bias`` with int keys (JSON sends them as strings, e.g. ``{"50256": -100}``)."""
+    if not isinstance(bias, dict):
+        raise InvalidRequestError("logit_bias must map token ids to numbers", "logit_bias")
+    result = {}
+    for key, value in bias.items():
+        token_id = int(key) if isinstance(key, str) and key.isdecimal() else key
+        if _not_token_id(token_id):
+            raise InvalidRequestError(f"logit_bias key {key!r} is not a token id", "logit_bias")
+        result[token_id] = value
+    return result
 
 
 def _int_at_least(name: str, value: int, low: int) -> None:

@@ -2,6 +2,8 @@
 
 Requests are validated on the caller's side (``LLMEngine.make_request`` touches no state), then handed to the
 loop thread, which alone mutates the engine. Outputs travel back through ``loop.call_soon_threadsafe``.
+The loop never spins: with nothing to run, or after a step that scheduled nothing, it sleeps on an event that
+every command (add, abort, call, shutdown) sets.
 """
 
 from __future__ import annotations
@@ -41,11 +43,11 @@ class _Stream:
 class AsyncLLM:
     """Owns an LLMEngine and its step-loop thread."""
 
-    def __init__(self, engine: LLMEngine, idle_poll_s: float = 0.05) -> None:
+    def __init__(self, engine: LLMEngine) -> None:
         self.engine = engine
         self.stat_loggers: list[StatLogger] = []
-        self.idle_poll_s = idle_poll_s
-        self.last_loop_time = time.monotonic()  # the loop's heartbeat (updated when idle too)
+        self._beat_time = time.monotonic()  # when the loop last started an iteration
+        self._parked = False  # True while the loop sleeps on _wakeup with nothing to do
         self._commands: queue.SimpleQueue[tuple[str, object]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._num_pending = 0  # accepted, not yet in the scheduler's queue (guarded by _pending_lock)
@@ -70,6 +72,12 @@ class AsyncLLM:
     def is_running(self) -> bool:
         """True while the loop thread is alive and healthy."""
         return self._thread.is_alive() and self._error is None
+
+    @property
+    def last_loop_time(self) -> float:
+        """The loop's heartbeat: the start of its current iteration, or now while it sleeps idle (a parked loop
+        wakes on the next command, so it is not stale)."""
+        return time.monotonic() if self._parked else self._beat_time
 
     @property
     def num_in_flight(self) -> int:
@@ -140,18 +148,22 @@ class AsyncLLM:
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
-                self.last_loop_time = time.monotonic()
+                self._beat_time = time.monotonic()
                 self._apply_commands()
-                if not self.engine.has_unfinished_requests():
-                    self._wakeup.wait(self.idle_poll_s)
-                    self._wakeup.clear()
-                    continue
-                self._step_once()
+                if not self.engine.has_unfinished_requests() or not self._step_once():
+                    self._sleep_until_woken()
             self._abort_all()
         except BaseException as exc:  # noqa: BLE001 — surfaced to every waiting stream
             logger.exception("engine loop failed")
             self._error = exc
             self._fail_all(EngineDeadError(f"engine loop failed: {exc!r}"))
+
+    def _sleep_until_woken(self) -> None:
+        """Block (no timeout, no polling) until a command or shutdown sets the wakeup event."""
+        self._parked = True
+        self._wakeup.wait()
+        self._wakeup.clear()  # commands put before this are applied next iteration
+        self._parked = False
 
     def _apply_commands(self) -> None:
         while True:
@@ -182,13 +194,20 @@ class AsyncLLM:
             self._push(request_id, output)
             self._log(None, [output])
 
-    def _step_once(self) -> None:
-        num_records = len(self.engine.step_records)
+    def _step_once(self) -> bool:
+        """Run one engine step and deliver its outputs; False when the step scheduled nothing (no record)."""
+        previous = self._last_record()
         outputs = self.engine.step()
         for output in outputs:
             self._push(output.request_id, output)
-        step = self.engine.step_records[-1] if len(self.engine.step_records) > num_records else None
+        step = self._last_record()
+        step = step if step is not previous else None  # identity: the record ring is bounded
         self._log(step, [o for o in outputs if o.finished])
+        return step is not None or bool(outputs)
+
+    def _last_record(self) -> StepRecord | None:
+        records = self.engine.step_records
+        return records[-1] if records else None
 
     def _log(self, step: StepRecord | None, finished: list[RequestOutput]) -> None:
         if self.stat_loggers:

@@ -11,6 +11,7 @@ from twophase.outputs import RequestOutput
 from twophase.sampling_params import SamplingParams
 
 Prompt = str | list[int]
+ENGINE_OPTIONS = ("quantization", "attention_backend", "linear_backend", "num_threads")  # EngineConfig fields
 Messages = list[dict]
 
 
@@ -20,9 +21,12 @@ class LLM:
     def __init__(self, model: str, dtype: str = "auto", device: str = "cpu", seed: int = 0, progress: bool = True, **kwargs) -> None:
         cache = _pick(CacheConfig, kwargs)
         scheduler = _pick(SchedulerConfig, kwargs)
+        engine_options = {k: kwargs.pop(k) for k in ENGINE_OPTIONS if k in kwargs}
         if kwargs:
             raise TypeError(f"unknown LLM options: {sorted(kwargs)}")
-        config = EngineConfig(model=model, dtype=dtype, device=device, seed=seed, cache=cache, scheduler=scheduler)
+        config = EngineConfig(
+            model=model, dtype=dtype, device=device, seed=seed, cache=cache, scheduler=scheduler, **engine_options
+        )
         self.engine = LLMEngine(config, progress=progress)
         self.tokenizer = self.engine.tokenizer
 

@@ -7,10 +7,13 @@ import dataclasses
 import itertools
 import time
 
+import logging
+
 import torch
 
 from twophase.config import EngineConfig, ModelConfig
-from twophase.engine.model_runner import ModelRunner
+from twophase.engine import hardware
+from twophase.engine.model_runner import ModelRunner, RunnerOptions
 from twophase.engine.output_processor import OutputProcessor
 from twophase.engine.scheduler import Scheduler
 from twophase.kv_cache.block_manager import BlockManager
@@ -21,12 +24,16 @@ from twophase.sampling_params import InvalidRequestError, SamplingParams
 from twophase.tokenizer import load_tokenizer
 
 MAX_STEP_RECORDS = 100_000
+NATIVE_QUANTIZATIONS = ("gguf", "q8_0", "q4_1")  # formats a GGUF file may store: its weights are used as stored
+log = logging.getLogger(__name__)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' → float32 on CPU, bfloat16 on CUDA; otherwise the named dtype."""
+    """'auto' → bfloat16 on CUDA and on CPUs with bfloat16 arithmetic (AVX512-BF16 / AMX), float32 on other
+    CPUs (where bfloat16 matmuls are emulated and slower than float32); otherwise the named dtype."""
     if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
+        fast_bf16 = device.type == "cuda" or hardware.cpu_has_fast_bf16()
+        return torch.bfloat16 if fast_bf16 else torch.float32
     dtypes = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
               "float16": torch.float16, "fp16": torch.float16, "float64": torch.float64}  # fmt: skip
     if name not in dtypes:
@@ -44,13 +51,20 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(source)
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or hardware.physical_cores())
         max_model_len = min(config.scheduler.max_model_len, self.model_config.max_position_embeddings)
         self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
         torch.manual_seed(config.seed)
+        options = RunnerOptions(
+            config.quantization, config.attention_backend, config.linear_backend, config.scheduler.max_num_seqs
+        )
         self.model_runner = ModelRunner(
             self.model_config, source.iter_weights(progress=progress), config.cache, max_model_len,
-            self.dtype, self.device, seed=config.seed,
+            self.dtype, self.device, seed=config.seed, options=options,
+            native_weights=source.native_quantized_weights() if config.quantization in NATIVE_QUANTIZATIONS else None,
         )  # fmt: skip
+        log.info("engine: %s", self.model_runner.describe())
         block_manager = BlockManager(
             self.model_runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
@@ -92,6 +106,7 @@ class LLMEngine:
         ``num_ahead``: requests accepted but not yet queued, counted against the waiting-queue limit."""
         params = params or SamplingParams()
         params.validate()
+        params.resolve(self.model_config.vocab_size, lambda text: self.tokenizer.encode(text, add_special_tokens=False))
         prompt_token_ids = self.tokenize_prompt(prompt)
         request = Request(
             request_id if request_id is not None else f"req-{next(self._ids)}",
@@ -103,12 +118,7 @@ class LLMEngine:
 
     def enqueue(self, request: Request, detokenize: bool = True) -> None:
         """Queue a request made by ``make_request`` (mutates the scheduler: call from the stepping thread)."""
-        self.model_runner.add_request(request)  # may raise: nothing is queued yet
-        try:
-            self.scheduler.add_request(request)
-        except Exception:
-            self.model_runner.remove_request(request.request_id)
-            raise
+        self.scheduler.add_request(request)  # may raise: nothing is queued yet
         self.output_processor.add_request(request, detokenize=detokenize)
 
     def tokenize_prompt(self, prompt: str | list[int]) -> list[int]:
@@ -131,7 +141,6 @@ class LLMEngine:
         request = self.scheduler.finish_request(request_id, RequestStatus.FINISHED_ABORTED)
         if request is None:
             return None
-        self.model_runner.remove_request(request_id)
         return self.output_processor.abort(request)
 
     def has_unfinished_requests(self) -> bool:
@@ -165,8 +174,6 @@ class LLMEngine:
         output, stop_hit = self.output_processor.process(update)
         if stop_hit:
             self.scheduler.finish_request(update.request.request_id, RequestStatus.FINISHED_STOPPED)
-        if output.finished:
-            self.model_runner.remove_request(update.request.request_id)
         return output
 
     def _record_step(self, scheduler_output, start: float) -> None:

@@ -1,17 +1,28 @@
-"""Owns the model, the paged KV cache tensors and the sampler; runs one step's flat batch."""
+"""Owns the model, the paged KV cache tensors and the sampler; runs one step's flat batch.
+
+Everything the runner knows arrives through the ``SchedulerOutput``: requests scheduled for the first time bring
+their sampling parameters (the runner keeps their sampling state and output tokens until they finish), and the
+ids of requests that ended since the previous step tell it what to forget.
+"""
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
 from typing import Iterable
 
 import torch
 
 from twophase.config import CacheConfig, ModelConfig
+from twophase.engine import hardware
 from twophase.engine.input_batch import build_input_batch
+from twophase.model.attention import make_attention_backend
 from twophase.model.registry import build_model
-from twophase.outputs import ModelRunnerOutput, SchedulerOutput
-from twophase.request import Request
+from twophase.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from twophase.sample import Sampler, SamplingState
+
+log = logging.getLogger(__name__)
+ZEROED_KV_CACHE_LIMIT = 1 << 30  # default KV budget of a backend that needs the cache zeroed (the reference)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -20,8 +31,24 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
+@dataclass
+class RunnerOptions:
+    """How the runner executes: weight format and attention backend (see EngineConfig)."""
+
+    quantization: str = "none"
+    attention_backend: str = "auto"
+    linear_backend: str = "auto"
+    max_num_seqs: int = 64
+
+
+@dataclass
+class _RequestState:
+    sampling_state: SamplingState
+    output_token_ids: list[int]  # the runner's own copy, appended as it samples
+
+
 class ModelRunner:
-    """Turns SchedulerOutputs into sampled tokens. Mutates the KV cache tensors and sampling states."""
+    """Turns SchedulerOutputs into sampled tokens. Mutates the KV cache tensors and its per-request states."""
 
     def __init__(
         self,
@@ -32,41 +59,92 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         seed: int = 0,
+        options: RunnerOptions | None = None,
+        native_weights: dict | None = None,
     ) -> None:
+        """``native_weights``: HF name → (format, tensors) of weights as stored in a GGUF file, executed as stored
+        when the quantization asks for their format (or is ``gguf``)."""
+        options = options or RunnerOptions()
         self.model_config = model_config
         self.block_size = cache_config.block_size
         self.dtype = dtype
         self.device = device
-        self.model = build_model(model_config, max_model_len, dtype, device)
+        self.backend = make_attention_backend(
+            options.attention_backend, model_config.num_attention_heads, model_config.num_key_value_heads,
+            model_config.head_dim, device, dtype,
+        )  # fmt: skip
+        self.model = build_model(model_config, max_model_len, dtype, device, self.backend)
         self.model.load_weights(weights)
         self.model.eval()
-        self.num_blocks = cache_config.num_blocks or max(
-            1, cache_config.kv_cache_memory_bytes // kv_bytes_per_block(model_config, self.block_size, dtype)
-        )
+        self._pack(options.quantization, options.linear_backend, native_weights)
+        self.num_blocks = self._num_blocks(cache_config, max_model_len, options.max_num_seqs)
         self.kv_caches = self._allocate_kv_caches()
         self.sampler = Sampler(model_config.vocab_size, device=device, seed=seed)
-        self.sampling_states: dict[str, SamplingState] = {}
+        self.requests: dict[str, _RequestState] = {}
+
+    def _pack(self, quantization: str, linear_backend: str, native_weights: dict | None) -> None:
+        if linear_backend not in ("auto", "torch"):
+            raise ValueError(f"unknown linear backend {linear_backend!r}; choose auto or torch")
+        kernels = None
+        if self.device.type == "cpu" and linear_backend == "auto":
+            from twophase.model.ops.extension import load_kernels
+
+            kernels = load_kernels()
+        self.quantization = quantization
+        self.linear_kernels = kernels is not None
+        self.model.pack(quantization, kernels, native_weights)
+
+    def _num_blocks(self, cache_config: CacheConfig, max_model_len: int, max_num_seqs: int) -> int:
+        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        if cache_config.num_blocks:
+            return cache_config.num_blocks
+        budget = cache_config.kv_cache_memory_bytes
+        if budget is None:
+            wanted = -(-max_model_len // self.block_size) * max_num_seqs * per_block  # every sequence at full length
+            budget = min(wanted, hardware.kv_cache_budget(self.device))
+            if self.backend.needs_zeroed_cache:  # zeroing is paid at start-up in time and resident memory
+                budget = min(budget, ZEROED_KV_CACHE_LIMIT)
+        return max(1, budget // per_block)
 
     def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (self.num_blocks * self.block_size, self.model_config.num_key_value_heads, self.model_config.head_dim)
+        # a backend that never reads unwritten slots gets untouched memory: no start-up time spent zeroing it
+        alloc = torch.zeros if self.backend.needs_zeroed_cache else torch.empty
         return [
-            (torch.zeros(shape, dtype=self.dtype, device=self.device), torch.zeros(shape, dtype=self.dtype, device=self.device))
+            (alloc(shape, dtype=self.dtype, device=self.device), alloc(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.model_config.num_hidden_layers)
         ]
 
-    def add_request(self, request: Request) -> None:
-        """Create the request's sampling state (its own generator when seeded)."""
-        self.sampling_states[request.request_id] = self.sampler.make_state(
-            request.sampling_params, request.prompt_token_ids, request.output_token_ids, request.eos_token_ids
+    @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes held by the KV cache tensors."""
+        return self.num_blocks * kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+
+    def describe(self) -> str:
+        """One line for start-up logs: weight format, kernels, attention backend, KV cache size."""
+        tokens = self.num_blocks * self.block_size
+        weights = self.quantization if self.quantization != "none" else str(self.dtype).removeprefix("torch.")
+        return (
+            f"weights {weights} ({'C++ kernels' if self.linear_kernels else 'plain torch'}), attention "
+            f"{self.backend.name}, KV cache {self.num_blocks} blocks x {self.block_size} = {tokens} tokens "
+            f"({self.kv_cache_bytes / 2**20:.0f} MiB), {torch.get_num_threads()} threads"
         )
 
-    def remove_request(self, request_id: str) -> None:
-        """Forget a finished or aborted request's sampling state."""
-        self.sampling_states.pop(request_id, None)
+    def _update_states(self, scheduler_output: SchedulerOutput) -> None:
+        for request_id in scheduler_output.finished_request_ids:
+            self.requests.pop(request_id, None)
+        for new in scheduler_output.new_requests:
+            self.requests[new.request_id] = self._new_state(new)
+
+    def _new_state(self, new: NewRequestData) -> _RequestState:
+        output_token_ids: list[int] = []
+        state = self.sampler.make_state(new.sampling_params, new.prompt_token_ids, output_token_ids, new.eos_token_ids)
+        return _RequestState(state, output_token_ids)
 
     @torch.inference_mode()
     def execute(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         """Run one model forward over the whole batch and sample for requests that reached their last token."""
+        self._update_states(scheduler_output)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput()
         batch = build_input_batch(scheduler_output, self.block_size, self.device)
@@ -74,9 +152,11 @@ class ModelRunner:
         if not batch.sample_request_ids:
             return ModelRunnerOutput()
         logits = self.model.compute_logits(hidden[batch.sample_token_indices]).float()  # [num_sampled, vocab]
-        states = [self.sampling_states[rid] for rid in batch.sample_request_ids]
-        sampled = self.sampler(logits, states)
+        states = [self.requests[rid] for rid in batch.sample_request_ids]
+        sampled = self.sampler(logits, [s.sampling_state for s in states])
         output = ModelRunnerOutput(sampled_token_ids=dict(zip(batch.sample_request_ids, sampled.token_ids)))
+        for state, token_id in zip(states, sampled.token_ids):
+            state.output_token_ids.append(token_id)
         for request_id, logprobs in zip(batch.sample_request_ids, sampled.logprobs):
             if logprobs is not None:
                 output.logprobs[request_id] = logprobs

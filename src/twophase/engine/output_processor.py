@@ -69,10 +69,12 @@ class OutputProcessor:
         if stop_reason is None and finished and finish_reason == "stop" and request.output_token_ids:
             last = request.output_token_ids[-1]
             stop_reason = last if last in request.sampling_params.stop_token_ids else None
+        # unfinished outputs share the request's growing lists (no O(n) copy per step, O(n²) per request);
+        # the final output gets its own copies
         return RequestOutput(
             request_id=request.request_id,
             prompt_token_ids=request.prompt_token_ids,
-            token_ids=list(request.output_token_ids),
+            token_ids=list(request.output_token_ids) if finished else request.output_token_ids,
             text=detok.text if detok is not None else "",
             new_token_ids=list(new_token_ids),
             new_text=new_text,
@@ -80,6 +82,6 @@ class OutputProcessor:
             finish_reason=finish_reason,
             num_cached_tokens=request.num_cached_tokens,
             timeline=request.timeline,
-            logprobs=list(state.logprobs) if state else [],
+            logprobs=(list(state.logprobs) if finished else state.logprobs) if state else [],
             stop_reason=stop_reason,
         )

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from twophase.config import SchedulerConfig
 from twophase.kv_cache.block_manager import BlockManager
-from twophase.outputs import ModelRunnerOutput, ScheduledRequest, SchedulerOutput, TokenLogprobs
+from twophase.outputs import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from twophase.request import Request, RequestStatus, ScheduledEvent
 from twophase.sampling_params import InvalidRequestError
 
@@ -39,6 +39,8 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._step_id = 0
+        self._runner_request_ids: set[str] = set()  # requests whose state the model runner holds
+        self._finished_request_ids: list[str] = []  # ended since the last step; the runner drops their state
 
     # ---- admission -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -58,7 +60,8 @@ class Scheduler:
             raise QueueFullError(f"waiting queue full ({limit} requests)")
 
     def check_feasible(self, request: Request) -> None:
-        """Reject a request that could never fit the model length or the KV pool."""
+        """Reject a request that could never fit the model length or the KV pool. A prompt longer than the step
+        budget is feasible either way: chunked, or (chunking off) whole in a step of its own."""
         max_len = self.config.max_model_len
         if request.num_prompt_tokens == 0:
             raise InvalidRequestError("prompt must not be empty", "prompt")
@@ -85,7 +88,8 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Build this step's batch: running requests first, then waiting ones (FCFS)."""
         now = time.monotonic()
-        output = SchedulerOutput(step_id=self._step_id)
+        output = SchedulerOutput(step_id=self._step_id, finished_request_ids=self._finished_request_ids)
+        self._finished_request_ids = []
         self._step_id += 1
         budget = self._schedule_running(output, self.config.max_num_batched_tokens, now)
         if not output.preempted_request_ids:
@@ -110,13 +114,17 @@ class Scheduler:
         return budget
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int, now: float) -> None:
+        """Admit waiting requests FCFS while budget, sequence slots and blocks last. With chunked prefill off a
+        prompt is scheduled whole: one longer than the budget (up to ``max_model_len``, see ``check_feasible``)
+        runs alone as the first thing of a step, else it waits for the next step (as vLLM does)."""
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             hit_blocks, num_hit_tokens = self.block_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
-            if not self.config.enable_chunked_prefill and num_new > budget:
+            if self.config.enable_chunked_prefill:
+                num_new = min(num_new, budget)
+            elif num_new > budget and output.scheduled:
                 break
-            num_new = min(num_new, budget)
             request.num_computed_tokens = num_hit_tokens
             if not self.block_manager.allocate_slots(request, num_new, hit_blocks):
                 request.num_computed_tokens = 0
@@ -134,6 +142,11 @@ class Scheduler:
         start = request.num_computed_tokens
         is_decode = num_new == 1 and request.num_output_tokens > 0 and start == request.num_tokens - 1
         token_ids = request.token_ids_between(start, start + num_new)
+        if request.request_id not in self._runner_request_ids:
+            self._runner_request_ids.add(request.request_id)
+            output.new_requests.append(
+                NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_ids)
+            )
         output.scheduled.append(
             ScheduledRequest(
                 request_id=request.request_id,
@@ -201,6 +214,9 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.block_manager.free(request)
+        if request_id in self._runner_request_ids:
+            self._runner_request_ids.discard(request_id)
+            self._finished_request_ids.append(request_id)
         request.status = status
         request.timeline.finish_time = time.monotonic()
         request.timeline.finish_reason = status.value

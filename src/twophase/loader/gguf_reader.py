@@ -178,3 +178,26 @@ def iter_gguf(reader: GGUFReader, config: ModelConfig, tensors: Any) -> Iterator
         if not array.flags.writeable or not array.flags.c_contiguous:
             array = np.array(array, dtype=np.float32, order="C")
         yield name, torch.from_numpy(array)
+
+
+NATIVE_FORMATS = {"Q8_0": "q8_0", "Q4_1": "q4_1"}  # GGUF tensor types our kernels execute as stored
+
+
+def iter_gguf_native(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, str, tuple[torch.Tensor, ...]]]:
+    """Yield ``(hf_name, fmt, packed)`` for each 2-D tensor stored in a block format our kernels run (q8_0, q4_1),
+    as the tensors its kernel takes (``model/ops/quant.py`` layouts), rows in HF order: the exact stored weights,
+    never dequantised and requantised."""
+    from twophase.model.ops import quant
+
+    permute = gguf_architecture(reader) in PERMUTED_ARCHITECTURES
+    for tensor in reader.tensors:
+        fmt = NATIVE_FORMATS.get(tensor.tensor_type.name)
+        if fmt is None or len(tensor.shape) != 2:
+            continue
+        k, n = (int(x) for x in tensor.shape)  # GGUF lists dimensions innermost first
+        raw = torch.from_numpy(np.array(tensor.data, copy=True).view(np.uint8).reshape(-1))
+        packed = quant.from_gguf_q8_0(raw, n, k) if fmt == "q8_0" else quant.from_gguf_q4_1(raw, n, k)
+        if permute and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
+            heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
+            packed = tuple(torch.from_numpy(np.ascontiguousarray(reverse_permute(p.numpy(), heads))) for p in packed)
+        yield hf_name(tensor.name), fmt, packed

@@ -62,6 +62,14 @@ class ModelSource:
                 bar.update(1)
 
 
+    def native_quantized_weights(self) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
+        """HF name → (format, tensors) of each weight stored in a GGUF block format the kernels execute as stored
+        (q8_0, q4_1); empty for safetensors models."""
+        if self.reader is None:
+            return {}
+        return {name: (fmt, packed) for name, fmt, packed in gguf_reader.iter_gguf_native(self.reader, self.config)}
+
+
 def _progress_disabled(progress: bool | None) -> bool | None:
     if progress is not None:
         return not progress

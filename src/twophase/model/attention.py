@@ -1,13 +1,19 @@
 """Paged attention over a flat batch of tokens from many requests.
 
-The backend interface is small: ``forward(q, k, v, k_cache, v_cache, meta) -> out``. It must write the new
-K/V into the cache through ``meta.slot_mapping`` before reading, and let each token attend only to its own
+The backend interface is small: ``prepare(meta)`` once per step (backend-specific index tensors, built once and
+read by every layer), then ``forward(q, k, v, k_cache, v_cache, meta) -> out`` per layer. A backend must write the
+new K/V into the cache through ``meta.slot_mapping`` before reading, and let each token attend only to its own
 request's positions ≤ its own.
+
+- ``TorchPagedAttention``: the plain-torch reference (any device, any dtype, float64 included): gathers each
+  request's context and calls SDPA. Every faster backend is tested against it.
+- ``KernelPagedAttention``: our C++ kernel (``model/ops``): one call per layer for every row of the batch, decode
+  rows and prefill chunks alike, reading K/V in place from the cache blocks (no gather copy, no padding).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -29,7 +35,14 @@ class AttentionMetadata:
     """Per-step attention inputs, built once per step by the model runner and read by every layer."""
 
     slot_mapping: torch.Tensor  # [num_tokens] int64: cache slot of each new token
-    prefill_chunks: list[PrefillChunk]
+    query_start_loc: torch.Tensor  # [num_requests + 1] int32: offsets of each request's rows in the flat batch
+    seq_lens: torch.Tensor  # [num_requests] int32: context length of each request after this step
+    block_tables: torch.Tensor  # [num_requests, max_blocks] int32 (rows padded with block 0)
+    block_size: int
+    query_lens_list: list[int] = field(default_factory=list)  # host copies of the per-request lengths
+    seq_lens_list: list[int] = field(default_factory=list)
+    # reference backend only (TorchPagedAttention.prepare)
+    prefill_chunks: list[PrefillChunk] = field(default_factory=list)
     decode_token_indices: torch.Tensor | None = None  # [num_decode] flat-batch rows of single-token requests
     decode_context_slots: torch.Tensor | None = None  # [num_decode, max_len] slots of their contexts
     decode_mask: torch.Tensor | None = None  # [num_decode, 1, 1, max_len] True where a key is visible
@@ -37,6 +50,13 @@ class AttentionMetadata:
 
 class AttentionBackend(Protocol):
     """What a faster kernel must implement to replace the reference path."""
+
+    name: str
+    needs_zeroed_cache: bool  # True when it reads cache slots no token has written (padding)
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Add backend-specific per-step tensors to ``meta`` (once per step, before the layers run)."""
+        ...
 
     def forward(
         self,
@@ -50,9 +70,18 @@ class AttentionBackend(Protocol):
         ...
 
 
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
+    """Store this step's K/V [T, KVH, D] into their cache slots [T]."""
+    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+
+
 class TorchPagedAttention:
     """Reference backend in plain torch (CPU and CUDA): decode rows batched in one SDPA call with a
     padding mask; each prefill chunk in its own causal SDPA call over its gathered context."""
+
+    name = "torch"
+    needs_zeroed_cache = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads
@@ -60,10 +89,33 @@ class TorchPagedAttention:
         self.num_groups = num_heads // num_kv_heads
         self.scale = head_dim**-0.5
 
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Gather indices and masks of every request's context, built once for all layers."""
+        block_tables = meta.block_tables.long().cpu()
+        device = meta.slot_mapping.device
+        starts = [0]
+        for n in meta.query_lens_list:
+            starts.append(starts[-1] + n)
+        decode_rows = []
+        for row, (num_q, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+            if num_q == 1:
+                decode_rows.append(row)
+                continue
+            slots = context_slots(block_tables[row : row + 1], torch.tensor([seq_len]), meta.block_size)[0]
+            mask = torch.arange(seq_len)[None, :] <= torch.arange(seq_len - num_q, seq_len)[:, None]  # [num_q, seq_len]
+            meta.prefill_chunks.append(PrefillChunk(starts[row], starts[row + 1], slots.to(device), mask.to(device)))
+        if decode_rows:
+            rows = torch.tensor(decode_rows)
+            seq_lens = torch.tensor(meta.seq_lens_list)[rows]  # [num_decode]
+            slots = context_slots(block_tables[rows], seq_lens, meta.block_size)  # [num_decode, max_len]
+            visible = torch.arange(slots.shape[1])[None, :] < seq_lens[:, None]  # [num_decode, max_len]
+            meta.decode_token_indices = torch.tensor([starts[r] for r in decode_rows]).to(device)
+            meta.decode_context_slots = slots.to(device)
+            meta.decode_mask = visible[:, None, None, :].to(device)  # [num_decode, 1, 1, max_len]
+
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Write new K/V through the slot mapping, then attend: decode rows together, prefill chunks each."""
-        k_cache.index_copy_(0, meta.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, meta.slot_mapping, v.to(v_cache.dtype))
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
         out = torch.empty_like(q)
         if meta.decode_token_indices is not None:
             self._decode(q, k_cache, v_cache, meta, out)
@@ -79,7 +131,7 @@ class TorchPagedAttention:
         keys = k_cache[chunk.context_slots].transpose(0, 1)[:, None].expand(kv_shape)  # [kvh, groups, seq_len, D]
         values = v_cache[chunk.context_slots].transpose(0, 1)[:, None].expand(kv_shape)
         query = q.view(num_q, self.num_kv_heads, self.num_groups, -1).permute(1, 2, 0, 3)  # [kvh, groups, num_q, D]
-        out = F.scaled_dot_product_attention(query, keys, values, attn_mask=chunk.mask, scale=self.scale)
+        out = F.scaled_dot_product_attention(query, keys.to(q.dtype), values.to(q.dtype), attn_mask=chunk.mask, scale=self.scale)
         return out.permute(2, 0, 1, 3).reshape(num_q, self.num_heads, -1)  # [num_q, heads, D]
 
     def _decode(self, q, k_cache, v_cache, meta: AttentionMetadata, out: torch.Tensor) -> None:
@@ -88,7 +140,64 @@ class TorchPagedAttention:
         # [num_decode, kvh, groups, D]: each KV head's query heads act as its query rows
         query = q[token_idx].view(num_decode, self.num_kv_heads, self.num_groups, -1)
         slots = meta.decode_context_slots  # [num_decode, max_len]
-        keys = k_cache[slots].permute(0, 2, 1, 3)  # [num_decode, kvh, max_len, D]
-        values = v_cache[slots].permute(0, 2, 1, 3)
+        keys = k_cache[slots].permute(0, 2, 1, 3).to(q.dtype)  # [num_decode, kvh, max_len, D]
+        values = v_cache[slots].permute(0, 2, 1, 3).to(q.dtype)
         res = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
         out[token_idx] = res.reshape(num_decode, self.num_heads, -1)
+
+
+def context_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
+    """Slots of positions 0..max_len-1 for each row of ``block_tables`` ([rows, max_len]; pads point into block 0)."""
+    positions = torch.arange(int(seq_lens.max()))  # [max_len]
+    return block_tables[:, positions // block_size] * block_size + positions % block_size
+
+
+class KernelPagedAttention:
+    """Our C++ paged attention: every row of the batch in one call per layer, K/V read in place from the
+    cache blocks (each byte once per query head group), causal by position, float32 accumulation."""
+
+    name = "kernel"
+    needs_zeroed_cache = False
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernels) -> None:
+        self.num_heads = num_heads
+        self.scale = head_dim**-0.5
+        self.kernels = kernels
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        """Nothing beyond the common metadata."""
+
+    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Write new K/V through the slot mapping, then one kernel call for all rows."""
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+        out = torch.empty_like(q)
+        self.kernels.paged_attention(
+            out, q.contiguous(), k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            meta.block_size, self.scale,
+        )  # fmt: skip
+        return out
+
+
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def make_attention_backend(
+    name: str, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype
+) -> AttentionBackend:
+    """'torch' (reference), 'kernel' (C++, CPU, float32/bfloat16), or 'auto': the kernel where it applies and
+    builds, else torch."""
+    if name not in ("auto", "torch", "kernel"):
+        raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or kernel")
+    if name == "kernel" and dtype not in KERNEL_DTYPES:
+        raise ValueError(f"attention backend 'kernel' supports float32 and bfloat16, not {dtype}")
+    if name != "torch" and device.type == "cpu" and dtype in KERNEL_DTYPES:
+        from twophase.model.ops.extension import load_kernels
+
+        kernels = load_kernels()
+        if kernels is not None:
+            return KernelPagedAttention(num_heads, num_kv_heads, head_dim, kernels)
+        if name == "kernel":
+            raise RuntimeError("attention backend 'kernel' asked for, but the C++ kernels could not be built")
+    elif name == "kernel":
+        raise ValueError("attention backend 'kernel' runs on CPU only")
+    return TorchPagedAttention(num_heads, num_kv_heads, head_dim)

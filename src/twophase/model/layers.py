@@ -60,7 +60,7 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.T
 
 
 class RotaryEmbedding(nn.Module):
-    """Rotary embedding (HF's rotate-half layout) with a precomputed cos/sin table."""
+    """Rotary embedding (HF's rotate-half layout) with precomputed float32 cos / signed-sin tables."""
 
     def __init__(self, config: ModelConfig, max_positions: int) -> None:
         super().__init__()
@@ -71,23 +71,25 @@ class RotaryEmbedding(nn.Module):
         self.build_tables()
 
     def build_tables(self) -> None:
-        """(Re)compute the cos/sin tables in float32 on the buffers' device (after a meta-device build)."""
+        """(Re)compute the tables in float32 on the buffers' device (after a meta-device build).
+
+        ``sin`` holds the signed sine ``[-sin, sin]`` so that rotate_half(x)·sin == roll(x, D/2)·signed_sin."""
         if self.cos.device.type == "meta":
             return
         inv_freq = rope_inv_freq(self.config).to(torch.float32)  # [head_dim/2]
         positions = torch.arange(self.max_positions, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq)  # [max_positions, head_dim/2]
         emb = torch.cat([freqs, freqs], dim=-1).to(self.cos.device)  # [max_positions, head_dim]
+        half = self.config.head_dim // 2
         self.cos = emb.cos()
-        self.sin = emb.sin()
+        self.sin = torch.cat([-emb[:, :half].sin(), emb[:, half:].sin()], dim=-1)
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rotate q [T, H, D] and k [T, KVH, D] by their positions [T]."""
-        cos = self.cos[positions].unsqueeze(1).to(q.dtype)  # [T, 1, D]
-        sin = self.sin[positions].unsqueeze(1).to(q.dtype)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, signed sin) [T, 1, D] of positions [T], in ``dtype`` — built once per step for all layers."""
+        return self.cos[positions].unsqueeze(1).to(dtype), self.sin[positions].unsqueeze(1).to(dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x [T, heads, D] (q and k heads together): x·cos + rotate_half(x)·sin, written as
+    x·cos + roll(x, D/2)·signed_sin (rotate_half(x) = [-x2, x1] = roll(x)·[-1, 1]; identical in IEEE arithmetic)."""
+    return x * cos + torch.roll(x, x.shape[-1] // 2, dims=-1) * signed_sin

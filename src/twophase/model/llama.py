@@ -13,7 +13,7 @@ from torch import nn
 
 from twophase.config import ModelConfig
 from twophase.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
-from twophase.model.layers import RMSNorm, RotaryEmbedding
+from twophase.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
 
 
 class LlamaAttention(nn.Module):
@@ -30,14 +30,13 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.backend = backend
 
-    def forward(self, x, positions, rotary: RotaryEmbedding, kv_cache: tuple[torch.Tensor, torch.Tensor], meta):
-        """x [T, hidden] → [T, hidden]."""
+    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: tuple[torch.Tensor, torch.Tensor], meta):
+        """x [T, hidden] → [T, hidden]; ``rope`` is this step's (cos, signed sin) [T, 1, D]."""
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)  # [T, H, D]
-        k = k.view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = rotary(positions, q, k)
+        num_qk_heads = self.num_heads + self.num_kv_heads
+        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(-1, num_qk_heads, self.head_dim), *rope)
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
+        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
         out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
@@ -67,9 +66,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x, positions, rotary, kv_cache, meta) -> torch.Tensor:
+    def forward(self, x, rope, kv_cache, meta) -> torch.Tensor:
         """x [T, hidden] → [T, hidden]."""
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, kv_cache, meta)
+        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -80,11 +79,13 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         backend = backend or TorchPagedAttention(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
+        self.backend = backend
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.logits_head: nn.Module | None = None  # a packed head (``pack``); None: plain matmul
 
     def forward(
         self,
@@ -94,15 +95,32 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, hidden]
         """Hidden states of every token of the flat batch."""
+        self.backend.prepare(meta)  # backend index tensors, once for all layers
+        rope = self.rotary(positions, self.embed_tokens.weight.dtype)  # (cos, signed sin) [T, 1, D], once
         x = self.embed_tokens(input_ids)  # [T, hidden]
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, kv_cache, meta)
+            x = layer(x, rope, kv_cache, meta)
         return self.norm(x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → logits [N, vocab]."""
+        if self.logits_head is not None:
+            return self.logits_head(hidden)
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return hidden @ weight.t()
+
+    def pack(self, quantization: str, kernels, native: dict | None = None) -> None:
+        """After loading: put every projection and the LM head behind the fastest linear layer for the
+        chosen weight format (see ``model/ops/linear.py``). ``native``: HF name → (format, tensors) of weights
+        as stored in a GGUF file, used instead of requantizing when the format matches."""
+        from twophase.model.ops.linear import make_linear, pack_linear_layers
+
+        native = native or {}
+        head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
+        head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        self.logits_head = make_linear(head_weight.data, None, quantization, kernels, native.get(head_name))
+        self.lm_head = None
+        pack_linear_layers(self.layers, quantization, kernels, lambda name: _fused_native(native, f"layers.{name}"))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises on missing or unexpected names."""
@@ -124,6 +142,17 @@ class LlamaForCausalLM(nn.Module):
 
 _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
           "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}  # fmt: skip
+
+
+def _fused_native(native: dict, module_name: str):
+    """(format, tensors) of a (possibly fused) projection from its stored parts, rows concatenated in fusion
+    order; None unless every part is stored natively in one format."""
+    parts = [f"model.{module_name.replace(fused, part)}.weight" for part, (fused, _) in _FUSED.items() if fused in module_name]
+    parts = parts or [f"model.{module_name}.weight"]
+    found = [native.get(p) for p in parts]
+    if any(f is None for f in found) or len({f[0] for f in found}) != 1:
+        return None
+    return found[0][0], tuple(torch.cat(tensors, dim=0) for tensors in zip(*(f[1] for f in found)))
 
 
 def _map_hf_name(hf_name: str) -> tuple[str, str]:

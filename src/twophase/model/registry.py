@@ -14,13 +14,16 @@ MODEL_CLASSES = {
 }
 
 
-def build_model(config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device) -> torch.nn.Module:
-    """An uninitialised model of the config's architecture on ``device`` in ``dtype``."""
+def build_model(
+    config: ModelConfig, max_positions: int, dtype: torch.dtype, device: torch.device, backend=None
+) -> torch.nn.Module:
+    """An uninitialised model of the config's architecture on ``device`` in ``dtype`` (attention: ``backend``,
+    default the plain-torch reference)."""
     cls = MODEL_CLASSES.get(config.architecture)
     if cls is None:
         raise ConfigError(f"unsupported architecture {config.architecture!r}; supported: {', '.join(MODEL_CLASSES)}")
     with torch.device("meta"):
-        model = cls(config, max_positions)
+        model = cls(config, max_positions, backend)
     model = model.to_empty(device=device).to(dtype)
     model.rotary.build_tables()  # computed in float32, never loaded
     return model

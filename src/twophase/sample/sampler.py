@@ -4,9 +4,11 @@ Order of operations (vLLM/HF compatible):
 
 1. repetition penalty over prompt + output tokens (positive logits divided, negative multiplied),
 2. frequency and presence penalties over output tokens (OpenAI semantics),
-3. min_tokens: EOS ids (unless ``ignore_eos``) and ``stop_token_ids`` are masked while the output is short,
-4. ``temperature == 0`` rows take the argmax of the processed logits (no RNG is touched),
-5. other rows: temperature, top-k, top-p, min-p, then an exponential race
+3. ``logit_bias`` added, and every id outside ``allowed_token_ids`` masked (one cached [vocab] row per request),
+4. masks: while the output is shorter than min_tokens, EOS ids (unless ``ignore_eos``) and ``stop_token_ids``;
+   the last token of each ``bad_words`` sequence whose other tokens end the output (a one-token word always),
+5. ``temperature == 0`` rows take the argmax of the processed logits (no RNG is touched),
+6. other rows: temperature, top-k, top-p, min-p, then an exponential race
    (``argmax(probs / q)`` with ``q ~ Exponential(1)`` drawn per row) so a seeded row draws only from its own
    generator and its tokens do not depend on its batch neighbours or row index.
 
@@ -43,6 +45,37 @@ class SamplingState:
     _prompt_mask: torch.Tensor | None = field(default=None, repr=False)  # [vocab] bool
     _output_counts: torch.Tensor | None = field(default=None, repr=False)  # [vocab] int32
     _num_counted: int = field(default=0, repr=False)
+    _bias_row: torch.Tensor | None = field(default=None, repr=False)  # [vocab] float32
+
+    @property
+    def needs_bias(self) -> bool:
+        """True when ``logit_bias`` or ``allowed_token_ids`` changes the logits."""
+        return bool(self.params.logit_bias) or self.params.allowed_token_ids is not None
+
+    def bias_row(self, vocab_size: int, device: torch.device) -> torch.Tensor:
+        """logit_bias, and -inf outside allowed_token_ids (ids past the vocabulary ignored). Returns [vocab]."""
+        if self._bias_row is None:
+            allowed = self.params.allowed_token_ids
+            row = torch.zeros(vocab_size, dtype=torch.float32) if allowed is None else \
+                torch.full((vocab_size,), float("-inf"))
+            if allowed is not None:
+                row[[t for t in allowed if t < vocab_size]] = 0.0
+            for token_id, bias in self.params.logit_bias.items():
+                if token_id < vocab_size:
+                    row[token_id] += bias
+            self._bias_row = row.to(device)
+        return self._bias_row
+
+    def bad_word_ids(self) -> list[int]:
+        """Token ids that would complete a bad word this step: a sequence's last token when the output ends with
+        the rest of it (vLLM's semantics: output tokens only)."""
+        output = self.output_token_ids
+        banned = []
+        for word in self.params.bad_words_token_ids:
+            prefix_len = len(word) - 1
+            if prefix_len <= len(output) and (prefix_len == 0 or output[-prefix_len:] == word[:-1]):
+                banned.append(word[-1])
+        return banned
 
     @property
     def needs_penalties(self) -> bool:
@@ -124,7 +157,8 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logits rows for {len(states)} states")
         raw_logits = logits[:, : self.vocab_size].float()  # [num_reqs, vocab]
         logits = self._apply_penalties(raw_logits, states)  # [num_reqs, vocab], a copy when changed
-        logits = self._apply_min_tokens(logits, states, copy=logits is raw_logits)
+        logits = self._apply_bias(logits, states, copy=logits is raw_logits)
+        logits = self._apply_masks(logits, states, copy=logits is raw_logits)
         token_ids = logits.argmax(dim=-1)  # [num_reqs]; final for greedy rows
         sample_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if sample_rows:
@@ -155,13 +189,26 @@ class Sampler:
         out[rows] = x
         return out
 
-    def _apply_min_tokens(self, logits: torch.Tensor, states: list[SamplingState], copy: bool) -> torch.Tensor:
-        """Mask stop/EOS ids of rows below ``min_tokens``. logits: [num_reqs, vocab]."""
+    def _apply_bias(self, logits: torch.Tensor, states: list[SamplingState], copy: bool) -> torch.Tensor:
+        """Add each biased row's cached bias row (logit_bias, allowed_token_ids). logits: [num_reqs, vocab]."""
+        biased = [i for i, s in enumerate(states) if s.needs_bias]
+        if not biased:
+            return logits
+        if copy:
+            logits = logits.clone()
+        vocab, device = logits.shape[1], logits.device
+        rows = torch.tensor(biased, dtype=torch.long, device=device)  # [num_biased]
+        bias = torch.stack([states[i].bias_row(vocab, device) for i in biased])  # [num_biased, vocab]
+        logits[rows] += bias
+        return logits
+
+    def _apply_masks(self, logits: torch.Tensor, states: list[SamplingState], copy: bool) -> torch.Tensor:
+        """Mask stop/EOS ids of rows below ``min_tokens`` and ids completing a bad word. logits: [num_reqs, vocab]."""
         vocab = logits.shape[1]
         row_idx: list[int] = []
         col_idx: list[int] = []
         for i, state in enumerate(states):
-            ids = [t for t in state.min_tokens_mask_ids() if 0 <= t < vocab]
+            ids = [t for t in state.min_tokens_mask_ids() + state.bad_word_ids() if 0 <= t < vocab]
             row_idx.extend([i] * len(ids))
             col_idx.extend(ids)
         if not row_idx:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -21,6 +22,9 @@ from twophase.server.errors import APIError
 from twophase.server.protocol import _SamplingFields
 from twophase.server.settings import ServerSettings
 
+logger = logging.getLogger("twophase.server")
+MAX_LOGGED_FIELDS = 20
+
 
 @dataclass
 class Choice:
@@ -31,6 +35,18 @@ class Choice:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+
+
+def check_fields(req: _SamplingFields, endpoint: str) -> None:
+    """400 naming a field we would have to ignore to answer; log (one line) fields we do not know at all."""
+    name = req.unsupported_field()
+    if name is not None:
+        raise APIError(400, f"{name} is not supported by this server (it would change the output)", name,
+                       "unsupported")
+    unknown = req.unknown_fields()
+    if unknown:
+        shown = ", ".join(repr(n[:64]) for n in unknown[:MAX_LOGGED_FIELDS])
+        logger.warning("%s: ignoring %d unknown request field(s): %s", endpoint, len(unknown), shown)
 
 
 def check_caps(req: _SamplingFields, settings: ServerSettings, num_top_logprobs: int | None,
@@ -50,16 +66,21 @@ def check_caps(req: _SamplingFields, settings: ServerSettings, num_top_logprobs:
                        "invalid_value")
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int | None, num_top_logprobs: int | None) -> SamplingParams:
-    """SamplingParams from the OpenAI fields (OpenAI defaults where a field is absent); validated."""
+def sampling_params(llm: AsyncLLM, req: _SamplingFields, max_tokens: int | None,
+                    num_top_logprobs: int | None) -> SamplingParams:
+    """SamplingParams from the OpenAI fields (OpenAI defaults where a field is absent); validated, token ids checked
+    against the vocabulary and bad words tokenized."""
     fields = dict(
         temperature=req.temperature, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
         repetition_penalty=req.repetition_penalty, seed=req.seed, stop=req.stop, stop_token_ids=req.stop_token_ids,
         ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, include_stop_str_in_output=req.include_stop_str_in_output,
+        logit_bias=req.logit_bias, allowed_token_ids=req.allowed_token_ids, bad_words=req.bad_words,
     )  # fmt: skip
     given = {k: v for k, v in fields.items() if v is not None}
-    return SamplingParams(**given, max_tokens=max_tokens, logprobs=num_top_logprobs)
+    params = SamplingParams(**given, max_tokens=max_tokens, logprobs=num_top_logprobs)
+    params.validate()
+    return params
 
 
 def make_choices(request_id: str, prompts: list[list[int]], params: SamplingParams, n: int) -> list[Choice]:

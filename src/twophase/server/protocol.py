@@ -2,13 +2,18 @@
 
 Types are checked here (a wrong type, NaN or inf is a 400 naming the field); value ranges are checked once, by
 ``SamplingParams.validate``, and caps on sizes by ``ServerSettings`` in the routes.
+
+Nothing is silently ignored. Every OpenAI field (and vLLM's extensions, sent through ``extra_body``) is either
+implemented, listed in ``UNSUPPORTED_FIELDS`` (it would change the output: refused with a 400 naming it unless it
+holds its neutral value), or listed in ``IGNORED_FIELDS`` (accepted; it changes nothing here, for the reason
+given). Any other field is accepted and logged by name (``unknown_fields``).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Any, Callable, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, StrictStr
 
@@ -23,6 +28,58 @@ class _Request(BaseModel):
     model_config = ConfigDict(allow_inf_nan=False, extra="ignore")
 
 
+Neutral = Callable[[Any], bool]  # True when a field's value asks for nothing we lack
+
+
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+def _falsy(value: Any) -> bool:
+    return value is None or value is False
+
+
+def _empty(value: Any) -> bool:
+    return value is None or value == [] or value == {}
+
+
+def _one_of(*neutral: Any) -> Neutral:
+    return lambda value: value is None or any(type(value) is type(n) and value == n for n in neutral)
+
+
+UNSUPPORTED_FIELDS: dict[str, Neutral] = {
+    # OpenAI chat completions
+    "audio": _unset, "modalities": _one_of(["text"]), "tools": _empty, "tool_choice": _one_of("none", "auto"),
+    "functions": _empty, "function_call": _one_of("none", "auto"), "reasoning_effort": _unset, "verbosity": _unset,
+    "web_search_options": _unset, "moderation": _unset, "response_format": _one_of({"type": "text"}),
+    # OpenAI completions
+    "echo": _falsy, "suffix": _one_of(""), "best_of": _one_of(1),
+    # vLLM extensions
+    "use_beam_search": _falsy, "length_penalty": _one_of(1, 1.0), "prompt_logprobs": _unset,
+    "truncate_prompt_tokens": _unset, "continue_final_message": _falsy, "documents": _unset,
+    "logits_processors": _empty, "return_tokens_as_token_ids": _falsy, "return_token_ids": _falsy,
+    "skip_special_tokens": _one_of(True), "spaces_between_special_tokens": _one_of(True), "priority": _one_of(0),
+    "kv_transfer_params": _unset, "vllm_xargs": _unset, "mm_processor_kwargs": _empty,
+    "structured_outputs": _unset, "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
+    "guided_grammar": _unset,
+}  # fmt: skip
+IGNORED_FIELDS: dict[str, str] = {
+    "user": "an end-user id for the provider's abuse monitoring",
+    "metadata": "tags for stored completions, which we do not store",
+    "store": "stored completions, which we do not keep",
+    "service_tier": "the provider's processing tier; there is one tier",
+    "parallel_tool_calls": "only matters with tools, which are refused",
+    "prediction": "predicted outputs change latency only, never the output",
+    "prompt_cache_key": "a routing hint; prefix caching here is automatic",
+    "prompt_cache_retention": "prefix-cache blocks live until evicted",
+    "prompt_cache_options": "prefix caching here is automatic, block by block",
+    "safety_identifier": "an end-user id for the provider's abuse monitoring",
+    "guided_decoding_backend": "chooses a grammar engine; guided fields themselves are refused",
+    "guided_whitespace_pattern": "only matters with guided_json, which is refused",
+    "request_id": "vLLM's client-chosen id; ours are generated",
+}
+
+
 class StreamOptions(_Request):
     """``stream_options``: ask for a final usage chunk."""
 
@@ -31,7 +88,10 @@ class StreamOptions(_Request):
 
 
 class _SamplingFields(_Request):
-    """Fields shared by completions and chat."""
+    """Fields shared by completions and chat. Unknown fields are kept (``model_extra``) so they can be checked."""
+
+    model_config = ConfigDict(allow_inf_nan=False, extra="allow")
+    unsupported: ClassVar[dict[str, Neutral]] = UNSUPPORTED_FIELDS
 
     model: StrictStr | None = None
     max_tokens: StrictInt | None = None
@@ -51,13 +111,31 @@ class _SamplingFields(_Request):
     ignore_eos: StrictBool | None = False
     min_tokens: StrictInt | None = 0
     include_stop_str_in_output: StrictBool | None = False
+    logit_bias: dict[StrictStr, Any] | None = None  # token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[StrictInt] | None = None  # vLLM
+    bad_words: list[StrictStr] | None = None  # vLLM
     user: StrictStr | None = None
     cache_salt: StrictStr | None = Field(
         default=None, description="tenant key: requests with different salts never share prefix-cache blocks")
 
 
+    def unsupported_field(self) -> str | None:
+        """The first field set to a value that would change the output and that twophase does not implement."""
+        for name in sorted(self.model_fields_set | set(self.model_extra or {})):
+            neutral = self.unsupported.get(name)
+            if neutral is not None and not neutral(getattr(self, name, None)):
+                return name
+        return None
+
+    def unknown_fields(self) -> list[str]:
+        """Fields neither implemented nor listed in UNSUPPORTED_FIELDS / IGNORED_FIELDS (to be logged)."""
+        return sorted(set(self.model_extra or {}) - set(self.unsupported) - set(IGNORED_FIELDS))
+
+
 class CompletionRequest(_SamplingFields):
     """``POST /v1/completions``."""
+
+    unsupported: ClassVar[dict[str, Neutral]] = {**UNSUPPORTED_FIELDS, "add_special_tokens": _one_of(True)}
 
     prompt: Prompt
     logprobs: StrictInt | None = None
@@ -77,6 +155,8 @@ class ChatMessage(_Request):
 
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
+
+    unsupported: ClassVar[dict[str, Neutral]] = {**UNSUPPORTED_FIELDS, "add_special_tokens": _one_of(False)}
 
     messages: list[ChatMessage]
     max_completion_tokens: StrictInt | None = None

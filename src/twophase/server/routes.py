@@ -14,7 +14,8 @@ from twophase.outputs import RequestOutput
 from twophase.server import responses as R
 from twophase.server.errors import APIError, error_body, to_api_error
 from twophase.server.generate import (
-    Choice, check_caps, collect_finals, make_choices, merge_outputs, prompt_list, sampling_params, submit_all,
+    Choice, check_caps, check_fields, collect_finals, make_choices, merge_outputs, prompt_list, sampling_params,
+    submit_all,
 )  # fmt: skip
 from twophase.server.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessageOut, CompletionChoice, CompletionRequest,
@@ -53,13 +54,11 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Response:
     """OpenAI text completions."""
     llm, settings = raw.app.state.llm, raw.app.state.settings
     check_model(body.model, settings)
-    if body.echo or body.suffix or body.best_of not in (None, 1):
-        param = "echo" if body.echo else "suffix" if body.suffix else "best_of"
-        raise APIError(400, f"{param} is not supported", param, "unsupported")
+    check_fields(body, "completions")
     check_caps(body, settings, body.logprobs)
     prompts = prompt_list(body.prompt, settings.max_prompts)
     prompt_ids = [llm.engine.tokenize_prompt(p) for p in prompts]
-    params = sampling_params(body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
+    params = sampling_params(llm, body, body.max_tokens if body.max_tokens is not None else 16, body.logprobs)
     response_id = random_id("cmpl")
     choices = make_choices(response_id, prompt_ids, params, body.n or 1)
     return await _run(raw, body, Job(False, response_id, settings.model_name, body.n or 1, choices, body.logprobs,
@@ -71,6 +70,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
     """OpenAI chat completions (the model's chat template, rendered in a sandbox)."""
     llm, settings = raw.app.state.llm, raw.app.state.settings
     check_model(body.model, settings)
+    check_fields(body, "chat.completions")
     if body.chat_template is not None and not settings.allow_request_chat_template:
         raise APIError(400, "chat_template in a request is disabled on this server "
                        "(start it with --allow-request-chat-template)", "chat_template", "not_allowed")
@@ -80,7 +80,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
     check_caps(body, settings, num_top, "top_logprobs")
     ids = render_chat_ids(llm, body)
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    params = sampling_params(body, max_tokens, num_top)
+    params = sampling_params(llm, body, max_tokens, num_top)
     response_id = random_id("chatcmpl")
     choices = make_choices(response_id, [ids], params, body.n or 1)
     return await _run(raw, body, Job(True, response_id, settings.model_name, body.n or 1, choices, num_top,

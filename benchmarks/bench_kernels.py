@@ -1,0 +1,175 @@
+"""Kernel benchmark on this machine: memory bandwidth, small-M linear over SmolLM2-135M's 121 matrices, paged
+attention decode. Usage: ``python benchmarks/bench_kernels.py [--quick]``."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from twophase.model.ops.extension import load_kernels
+from twophase.model.ops.quant import quantize_q4_1, quantize_q8_0
+from twophase.model.ops.reference import paged_attention_ref
+
+HIDDEN, INTER, LAYERS, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 30, 49152, 9, 3, 64
+LAYER_SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # (N, K)
+
+
+def model_shapes(layers: int) -> list[tuple[int, int]]:
+    """(N, K) of every matmul in a forward: qkv, o, gate_up, down per layer, then lm_head."""
+    return LAYER_SHAPES * layers + [(VOCAB, HIDDEN)]
+
+
+def best_time(fn: Callable[[], object], reps: int) -> float:
+    """Best wall time of ``reps`` calls after one warm-up."""
+    fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def read_bandwidth(reps: int) -> float:
+    """GB/s of a reduction over a 512 MiB tensor."""
+    big = torch.ones(128 * 2**20)
+    return big.numel() * 4 / best_time(big.sum, reps) / 1e9
+
+
+def nbytes(*tensors: torch.Tensor) -> int:
+    """Total bytes of the tensors."""
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def make_weights(shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
+    """Random fp32 weights, one per shape (scaled like a trained model)."""
+    return [torch.randn(n, k) / k**0.5 for n, k in shapes]
+
+
+def linear_variants(kern, weights: list[torch.Tensor], ms: list[int]) -> dict[str, tuple[list, Callable]]:
+    """name -> (per-matrix packed args, fn(x, *args)); built lazily so peak memory stays moderate."""
+    v: dict[str, tuple[list, Callable]] = {
+        "torch F.linear fp32": ([(w,) for w in weights], lambda x, w: F.linear(x, w)),
+    }
+    if kern is not None:
+        v["ours fp32"] = ([(w,) for w in weights], lambda x, w: kern.linear(x, w))
+        v["ours bf16"] = ([(w.bfloat16(),) for w in weights], lambda x, w: kern.linear(x, w))
+        scales = [w.abs().amax(1) / 127 for w in weights]
+        q8 = [(w / s[:, None]).round().to(torch.int8) for w, s in zip(weights, scales)]
+        v["ours int8"] = (list(zip(q8, scales)), lambda x, q, s: kern.linear_int8(x, q, s))
+        v["torch _weight_int8pack_mm"] = (list(zip(q8, scales)), lambda x, q, s: torch._weight_int8pack_mm(x, q, s))
+        v["ours q8_0"] = ([quantize_q8_0(w) for w in weights], lambda x, q, d: kern.linear_q8_0(x, q, d))
+        v["ours q4_1"] = ([quantize_q4_1(w) for w in weights], lambda x, q, d, m: kern.linear_q4_1(x, q, d, m))
+    return v
+
+
+def bench_linear(kern, layers: int, ms: list[int], bw: float, reps: int) -> None:
+    """Time one pass over all matrices per variant and M (variants interleaved, best of ``reps``, so load
+    from other processes hits all alike); print ms, GB/s, % of the measured bandwidth."""
+    weights = make_weights(model_shapes(layers))
+    print(f"\n== linear over {len(weights)} matrices (SmolLM2-135M, {layers} layers) ==")
+    print(f"{'variant':28s} " + " ".join(f"{'M=' + str(m):>24s}" for m in ms))
+    variants = linear_variants(kern, weights, ms)
+    variants["mkldnn prepacked fp32"] = ([], None)  # packed per M below (packing takes the batch size)
+    best = {(name, m): float("inf") for name in variants for m in ms}
+    for m in ms:
+        xs = {HIDDEN: torch.randn(m, HIDDEN), INTER: torch.randn(m, INTER)}
+        packed = [(w, torch.ops.mkldnn._reorder_linear_weight(w, m)) for w in weights]
+        calls = {name: (lambda args=args, fn=fn: [fn(xs[a[0].shape[1] * (2 if a[0].dtype == torch.uint8 else 1)],
+                                                     *a) for a in args])
+                 for name, (args, fn) in variants.items() if fn is not None}
+        calls["mkldnn prepacked fp32"] = lambda: [
+            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "") for w, p in packed]
+        if m > 8:  # no AVX2 path: tens of seconds per pass
+            calls.pop("torch _weight_int8pack_mm", None)
+        for f in calls.values():
+            f()  # warm-up
+        for _ in range(reps):
+            for name, f in calls.items():
+                t0 = time.perf_counter()
+                f()
+                best[name, m] = min(best[name, m], time.perf_counter() - t0)
+        del packed
+    for name, (args, _) in variants.items():
+        size = sum(nbytes(*a) for a in args) if args else sum(nbytes(w) for w in weights)
+        cells = []
+        for m in ms:
+            t = best[name, m]
+            cells.append("skipped" if t == float("inf") else
+                         f"{t * 1e3:7.1f}ms {size / t / 1e9:5.1f}GB/s {100 * size / t / 1e9 / bw:3.0f}%")
+        print(f"{name:28s} " + " ".join(f"{c:>24s}" for c in cells))
+
+
+def crossover(kern, reps: int) -> None:
+    """Per-M timing of ours vs torch vs mkldnn on the 576x1536 down projection and 3072x576 gate_up."""
+    print("\n== crossover: one matrix, us per call ==")
+    for n, k in [(2 * INTER, HIDDEN), (HIDDEN, INTER)]:
+        w = torch.randn(n, k)
+        wb = w.bfloat16()
+        print(f"[{n}x{k}]  {'M':>4s} {'ours fp32':>10s} {'ours bf16':>10s} {'F.linear':>10s} {'mkldnn':>10s}")
+        for m in (1, 2, 4, 8, 16, 32, 64, 128):
+            x = torch.randn(m, k)
+            p = torch.ops.mkldnn._reorder_linear_weight(w, m)
+            ts = [best_time(f, reps * 5) * 1e6 for f in (
+                lambda: kern.linear(x, w), lambda: kern.linear(x, wb), lambda: F.linear(x, w),
+                lambda: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))]
+            print(f"{'':14s}{m:4d} " + " ".join(f"{t:10.0f}" for t in ts))
+
+
+def paged_case(batch: int, ctx: int, dtype: torch.dtype, q_len: int = 1, block_size: int = 16):
+    """A batch of `batch` requests with `ctx` tokens each and `q_len` new queries, shuffled blocks."""
+    per = -(-ctx // block_size)
+    tables = torch.randperm(batch * per).to(torch.int32).view(batch, per)
+    k = torch.randn(batch * per * block_size, KV_HEADS, HEAD_DIM).to(dtype)
+    v = torch.randn_like(k)
+    q = torch.randn(batch * q_len, HEADS, HEAD_DIM)
+    if dtype != torch.float32:
+        q = q.to(dtype)
+    seq = torch.full((batch,), ctx, dtype=torch.int32)
+    qsl = (torch.arange(batch + 1) * q_len).to(torch.int32)
+    return q, k, v, tables, seq, qsl, block_size, HEAD_DIM**-0.5
+
+
+def bench_attention(kern, bw: float, reps: int) -> None:
+    """Decode (and one prefill chunk): ours vs gather + SDPA per request."""
+    print("\n== paged attention (H=9, KVH=3, D=64, block 16) ==")
+    print(f"{'case':36s} {'ours':>10s} {'GB/s':>6s} {'gather+SDPA':>12s} {'speedup':>8s}")
+    cases = [(b, c, 1) for b in (1, 32) for c in (256, 1024)] + [(1, 512, 512), (1, 2048, 256)]
+    for dtype in (torch.float32, torch.bfloat16):
+        for batch, ctx, q_len in cases:
+            q, k, v, bt, seq, qsl, bs, sc = paged_case(batch, ctx, dtype, q_len)
+            out = torch.empty_like(q)
+            t_ours = best_time(lambda: kern.paged_attention(out, q, k, v, bt, seq, qsl, bs, sc), reps)
+            t_ref = best_time(lambda: paged_attention_ref(out, q, k, v, bt, seq, qsl, bs, sc), reps)
+            kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * k.element_size()
+            name = f"{str(dtype)[6:]} batch={batch} ctx={ctx} q_len={q_len}"
+            print(f"{name:36s} {t_ours * 1e3:8.2f}ms {kv_bytes / t_ours / 1e9:6.1f} {t_ref * 1e3:10.2f}ms "
+                  f"{t_ref / t_ours:7.1f}x")
+
+
+def main() -> None:
+    """Run every section and print the tables."""
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--quick", action="store_true", help="3 layers instead of 30, fewer repetitions")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    kern = load_kernels()
+    layers = 3 if args.quick else LAYERS
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, kernels: {kern is not None}")
+    bw = read_bandwidth(args.reps + 2)
+    print(f"read bandwidth (512 MiB sum): {bw:.1f} GB/s")
+    bench_linear(kern, layers, [1, 8, 32], bw, args.reps)
+    if kern is not None:
+        crossover(kern, args.reps)
+        bench_attention(kern, bw, args.reps)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""CPU kernels of our own (C++ extension built on first use) and their plain-torch references."""

@@ -1,0 +1,237 @@
+// Varlen causal attention over a paged KV cache, read in place (no gather), flash-style online softmax in fp32.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <atomic>
+#include <limits>
+#include <vector>
+#include "common.h"
+
+namespace tp {
+namespace {
+
+constexpr int64_t KEY_CHUNK = 64;  // keys scored per softmax update
+constexpr int64_t Q_TILE = 16;     // query positions per work item (times `groups` heads)
+
+// Converts n elements of T to float.
+inline void to_f32(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void to_f32(float* dst, const uint16_t* src, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
+}
+inline void from_f32(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void from_f32(uint16_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+}
+
+struct WorkItem {
+  int32_t req, kv_head, q0, q1;  // query rows [q0, q1) of request `req` (offsets within the request)
+};
+
+struct Args {
+  int64_t H, KVH, D, groups, block_size, max_blocks;
+  int64_t q_s0, k_s0, k_s1, v_s0, v_s1;  // element strides: q/out token; cache slot and head
+  float scale;
+  const int32_t *block_tables, *seq_lens, *qsl;
+};
+
+// Per-thread scratch, sized for one work item.
+struct Scratch {
+  std::vector<float> q, acc, s, m, l, kbuf, vbuf;
+  std::vector<int64_t> pos;
+  Scratch(int64_t rows, int64_t D)
+      : q(rows * D), acc(rows * D), s(rows * KEY_CHUNK), m(rows), l(rows), kbuf(KEY_CHUNK * D),
+        vbuf(KEY_CHUNK * D), pos(rows) {}
+};
+
+// Row pointers of keys/values p0..p0+n-1 of one kv head: in place for fp32, converted into buf for bf16.
+template <class T>
+inline void kv_rows(const T* cache, int64_t s0, int64_t head_off, const int32_t* bt, int64_t bs, int64_t p0,
+                    int64_t n, int64_t D, float* buf, const float** rows) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t pos = p0 + j, slot = static_cast<int64_t>(bt[pos / bs]) * bs + pos % bs;
+    const T* src = cache + slot * s0 + head_off;
+    if constexpr (std::is_same_v<T, float>) {
+      rows[j] = src;
+    } else {
+      to_f32(buf + j * D, src, D);
+      rows[j] = buf + j * D;
+    }
+  }
+}
+
+// s[j] = q . K[j] for j < n; returns max_j s[j]. D == 64 keeps q in registers.
+inline float scores(const float* q, const float* const* K, int64_t n, int64_t D, float* s) {
+  float mx = -std::numeric_limits<float>::infinity();
+#ifdef __AVX2__
+  if (D == 64) {
+    __m256 qv[8];
+    for (int d = 0; d < 8; ++d) qv[d] = _mm256_loadu_ps(q + 8 * d);
+    for (int64_t j = 0; j < n; ++j) {
+      const float* k = K[j];
+      __m256 a0 = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k)), a1 = _mm256_mul_ps(qv[1], _mm256_loadu_ps(k + 8));
+      for (int d = 2; d < 8; d += 2) {
+        a0 = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(k + 8 * d), a0);
+        a1 = _mm256_fmadd_ps(qv[d + 1], _mm256_loadu_ps(k + 8 * d + 8), a1);
+      }
+      s[j] = hsum(_mm256_add_ps(a0, a1));
+      mx = std::max(mx, s[j]);
+    }
+    return mx;
+  }
+#endif
+  for (int64_t j = 0; j < n; ++j) {
+    s[j] = dot_f32(q, K[j], D);
+    mx = std::max(mx, s[j]);
+  }
+  return mx;
+}
+
+// acc = acc * alpha + sum_j p[j] * V[j] over D; 64-wide slabs of acc stay in registers across keys.
+inline void accumulate(float* acc, float alpha, const float* p, const float* const* V, int64_t n, int64_t D) {
+  int64_t d0 = 0;
+#ifdef __AVX2__
+  const __m256 al = _mm256_set1_ps(alpha);
+  for (; d0 + 64 <= D; d0 += 64) {
+    __m256 a[8];
+    for (int d = 0; d < 8; ++d) a[d] = _mm256_mul_ps(al, _mm256_loadu_ps(acc + d0 + 8 * d));
+    for (int64_t j = 0; j < n; ++j) {
+      const __m256 pj = _mm256_set1_ps(p[j]);
+      const float* v = V[j] + d0;
+      for (int d = 0; d < 8; ++d) a[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * d), a[d]);
+    }
+    for (int d = 0; d < 8; ++d) _mm256_storeu_ps(acc + d0 + 8 * d, a[d]);
+  }
+#endif
+  if (d0 < D) {
+    if (alpha != 1.f) scale_f32(acc + d0, alpha, D - d0);
+    for (int64_t j = 0; j < n; ++j) axpy_f32(acc + d0, p[j], V[j] + d0, D - d0);
+  }
+}
+
+// One work item: `rows` = (q1-q0) queries x groups heads sharing kv head g; online softmax over key chunks.
+template <class T, class QT>
+void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc, const T* vc, Scratch& sc) {
+  const int64_t D = a.D, G = a.groups, bs = a.block_size;  // bs: cache block size
+  const int64_t seq = a.seq_lens[w.req], tok0 = a.qsl[w.req];
+  const int64_t q_len = a.qsl[w.req + 1] - tok0, start = seq - q_len;
+  const int64_t rows = (w.q1 - w.q0) * G;
+  for (int64_t i = w.q0; i < w.q1; ++i)
+    for (int64_t gh = 0; gh < G; ++gh) {
+      int64_t rr = (i - w.q0) * G + gh, h = w.kv_head * G + gh;
+      to_f32(sc.q.data() + rr * D, q + (tok0 + i) * a.q_s0 + h * D, D);
+      scale_f32(sc.q.data() + rr * D, a.scale, D);
+      sc.pos[rr] = start + i;
+    }
+  std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.f);
+  std::fill(sc.m.begin(), sc.m.begin() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
+  const int64_t last = start + w.q1 - 1;  // furthest key position any row sees
+  const int32_t* bt = a.block_tables + w.req * a.max_blocks;
+  for (int64_t p0 = 0; p0 <= last;) {
+    const int64_t n = std::min(KEY_CHUNK, last + 1 - p0);
+    const float* K[KEY_CHUNK];
+    const float* V[KEY_CHUNK];
+    kv_rows(kc, a.k_s0, w.kv_head * a.k_s1, bt, bs, p0, n, D, sc.kbuf.data(), K);
+    kv_rows(vc, a.v_s0, w.kv_head * a.v_s1, bt, bs, p0, n, D, sc.vbuf.data(), V);
+    for (int64_t rr = 0; rr < rows; ++rr) {
+      const int64_t nv = std::min(n, sc.pos[rr] - p0 + 1);  // causal: keys p0..pos
+      if (nv <= 0) continue;
+      float* s = sc.s.data() + rr * KEY_CHUNK;
+      const float mx = scores(sc.q.data() + rr * D, K, nv, D, s);
+      const float m_new = std::max(sc.m[rr], mx);
+      const float alpha = std::exp(sc.m[rr] - m_new);  // 0 on the first chunk (m = -inf)
+      const float psum = exp_sub_sum(s, s, m_new, nv);
+      sc.l[rr] = sc.l[rr] * alpha + psum;
+      sc.m[rr] = m_new;
+      accumulate(sc.acc.data() + rr * D, alpha, s, V, nv, D);
+    }
+    p0 += n;
+  }
+  for (int64_t i = w.q0; i < w.q1; ++i)
+    for (int64_t gh = 0; gh < G; ++gh) {
+      int64_t rr = (i - w.q0) * G + gh, h = w.kv_head * G + gh;
+      float* acc = sc.acc.data() + rr * D;
+      scale_f32(acc, sc.l[rr] > 0.f ? 1.f / sc.l[rr] : 0.f, D);
+      from_f32(out + (tok0 + i) * a.q_s0 + h * D, acc, D);
+    }
+}
+
+// Runs all work items with dynamic scheduling over torch's intra-op threads.
+template <class T, class QT>
+void run_items(const Args& a, const std::vector<WorkItem>& items, const QT* q, QT* out, const T* kc, const T* vc) {
+  std::atomic<int64_t> next{0};
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), n_items);
+  at::parallel_for(0, nthreads, 1, [&](int64_t t0, int64_t t1) {
+    Scratch sc(Q_TILE * a.groups, a.D);
+    for (int64_t t = t0; t < t1; ++t)
+      for (int64_t i; (i = next.fetch_add(1)) < n_items;) attend<T, QT>(a, items[i], q, out, kc, vc, sc);
+  });
+}
+
+}  // namespace
+
+// out[T,H,D] = causal varlen attention of q[T,H,D] over the paged cache; see extension.py for the contract.
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
+                     const at::Tensor& v_cache, const at::Tensor& block_tables_in,
+                     const at::Tensor& seq_lens_in, const at::Tensor& qsl_in, int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, H, D] of equal shape");
+  TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type(), "q and out must share a dtype");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "caches must be [S, KVH, D]");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k/v caches must share a dtype");
+  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "cache rows must be contiguous in D");
+  TORCH_CHECK(k_cache.size(2) == q.size(2), "head dim mismatch");
+  const auto ct = k_cache.scalar_type(), qt = q.scalar_type();
+  TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16, "cache must be float32 or bfloat16");
+  TORCH_CHECK(qt == at::kFloat || qt == ct, "q must be float32 or the cache dtype");
+  const int64_t H = q.size(1), KVH = k_cache.size(1);
+  TORCH_CHECK(H % KVH == 0, "H must be a multiple of KVH");
+  TORCH_CHECK(block_size > 0, "block_size must be positive");
+  auto bt = block_tables_in.to(at::kInt).contiguous();
+  auto sl = seq_lens_in.to(at::kInt).contiguous();
+  auto qsl = qsl_in.to(at::kInt).contiguous();
+  const int64_t R = sl.size(0);
+  TORCH_CHECK(bt.dim() == 2 && bt.size(0) >= R && qsl.size(0) == R + 1, "block_tables [R, B], query_start_loc [R+1]");
+  Args a{H, KVH, q.size(2), H / KVH, block_size, bt.size(1), H * q.size(2),
+         k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
+         static_cast<float>(scale), bt.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), qsl.data_ptr<int32_t>()};
+  std::vector<WorkItem> items;
+  for (int32_t r = 0; r < R; ++r) {
+    const int32_t q_len = a.qsl[r + 1] - a.qsl[r];
+    TORCH_CHECK(q_len >= 0 && q_len <= a.seq_lens[r], "request ", r, ": q_len must be in [0, seq_len]");
+    const int64_t used = (a.seq_lens[r] + block_size - 1) / block_size;
+    TORCH_CHECK(used <= a.max_blocks, "request ", r, ": block table too short");
+    for (int64_t b = 0; b < used; ++b) {
+      const int64_t id = a.block_tables[r * a.max_blocks + b];
+      TORCH_CHECK(id >= 0 && (id + 1) * block_size <= k_cache.size(0), "request ", r, ": block id ", id,
+                  " outside the cache");
+    }
+    for (int32_t g = 0; g < KVH; ++g)
+      for (int32_t i = 0; i < q_len; i += Q_TILE) items.push_back({r, g, i, std::min<int32_t>(i + Q_TILE, q_len)});
+  }
+  // Longest contexts first so dynamic scheduling balances the tail.
+  std::sort(items.begin(), items.end(), [&](const WorkItem& x, const WorkItem& y) {
+    auto cost = [&](const WorkItem& w) {
+      return (int64_t)(a.seq_lens[w.req] - (a.qsl[w.req + 1] - a.qsl[w.req]) + w.q1) * (w.q1 - w.q0);
+    };
+    return cost(x) > cost(y);
+  });
+  if (items.empty()) return;
+  auto bf = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
+  if (ct == at::kFloat) {
+    run_items<float, float>(a, items, q.data_ptr<float>(), out.data_ptr<float>(), k_cache.data_ptr<float>(),
+                            v_cache.data_ptr<float>());
+  } else if (qt == at::kFloat) {
+    run_items<uint16_t, float>(a, items, q.data_ptr<float>(), out.data_ptr<float>(), bf(k_cache), bf(v_cache));
+  } else {
+    run_items<uint16_t, uint16_t>(a, items, bf(q), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
+                                  bf(k_cache), bf(v_cache));
+  }
+}
+
+}  // namespace tp

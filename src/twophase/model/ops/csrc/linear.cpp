@@ -1,0 +1,329 @@
+// Small-M linear kernels: y[M,N] = x[M,K] @ W[N,K]^T (+ bias), each weight row streamed once for all M rows.
+// Weight formats: fp32, bf16, int8 (per-row scale), GGUF-style Q8_0 and Q4_1 blocks of 32.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <vector>
+#include "common.h"
+
+namespace tp {
+namespace {
+
+constexpr int64_t QK = 32;  // GGUF block length
+
+// ---- dense weight formats: load 8 consecutive weights as fp32 -------------------------------------------
+struct WF32 {
+  using T = float;
+  static float one(const T* p) { return *p; }
+#ifdef __AVX2__
+  static __m256 eight(const T* p) { return _mm256_loadu_ps(p); }
+#endif
+};
+struct WBF16 {
+  using T = uint16_t;
+  static float one(const T* p) { return bf16_to_f32(*p); }
+#ifdef __AVX2__
+  static __m256 eight(const T* p) { return load_bf16x8(p); }
+#endif
+};
+struct WI8 {
+  using T = int8_t;
+  static float one(const T* p) { return static_cast<float>(*p); }
+#ifdef __AVX2__
+  static __m256 eight(const T* p) {
+    __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+  }
+#endif
+};
+
+// out[m][n] = dot(x[m], w[n]) over K for an MR x NR tile.
+template <class W, int MR, int NR>
+inline void dense_tile(const float* const* x, const typename W::T* const* w, int64_t K, float (&out)[MR][NR]) {
+  int64_t k = 0;
+#ifdef __AVX2__
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
+  if constexpr (MR == 1 && NR == 1) {  // one sequential stream, 4 independent FMA chains
+    __m256 a1 = _mm256_setzero_ps(), a2 = a1, a3 = a1;
+    for (; k + 32 <= K; k += 32) {
+      acc[0][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x[0] + k), W::eight(w[0] + k), acc[0][0]);
+      a1 = _mm256_fmadd_ps(_mm256_loadu_ps(x[0] + k + 8), W::eight(w[0] + k + 8), a1);
+      a2 = _mm256_fmadd_ps(_mm256_loadu_ps(x[0] + k + 16), W::eight(w[0] + k + 16), a2);
+      a3 = _mm256_fmadd_ps(_mm256_loadu_ps(x[0] + k + 24), W::eight(w[0] + k + 24), a3);
+    }
+    acc[0][0] = _mm256_add_ps(_mm256_add_ps(acc[0][0], a1), _mm256_add_ps(a2, a3));
+  }
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[NR];
+    for (int n = 0; n < NR; ++n) wv[n] = W::eight(w[n] + k);
+    for (int m = 0; m < MR; ++m) {
+      __m256 xv = _mm256_loadu_ps(x[m] + k);
+      for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_fmadd_ps(xv, wv[n], acc[m][n]);
+    }
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) out[m][n] = hsum(acc[m][n]);
+#else
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) out[m][n] = 0.f;
+#endif
+  for (; k < K; ++k)
+    for (int n = 0; n < NR; ++n) {
+      float wk = W::one(w[n] + k);
+      for (int m = 0; m < MR; ++m) out[m][n] += x[m][k] * wk;
+    }
+}
+
+// ---- GGUF block formats ---------------------------------------------------------------------------------
+// Q8_0: qs int8 [N, K], d float [N, K/32]; w = d * q.
+// Q4_1: qs uint8 [N, K/2] (per block 16 bytes: low nibbles = elements 0..15, high = 16..31), d, m float
+//       [N, K/32]; w = d * q + m.  The min term is folded in via per-block sums of x.
+struct Q8_0 {
+  using T = int8_t;
+  static constexpr bool has_min = false;
+  static constexpr int64_t bytes_per_block = QK;
+  static float one(const T* blk, int j) { return static_cast<float>(blk[j]); }
+#ifdef __AVX2__
+  static __m256 eight(const T* blk, int v) {
+    __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 8 * v));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q));
+  }
+#endif
+};
+struct Q4_1 {
+  using T = uint8_t;
+  static constexpr bool has_min = true;
+  static constexpr int64_t bytes_per_block = QK / 2;
+  static float one(const T* blk, int j) {
+    return static_cast<float>(j < 16 ? (blk[j] & 0xF) : (blk[j - 16] >> 4));
+  }
+#ifdef __AVX2__
+  static __m256 eight(const T* blk, int v) {
+    __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(blk + 8 * (v & 1)));
+    if (v >= 2) q = _mm_srli_epi16(q, 4);
+    q = _mm_and_si128(q, _mm_set1_epi8(0x0F));
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(q));
+  }
+#endif
+};
+
+// out[m][n] = sum_b d[n][b] * dot_b(x[m], q[n]) (+ mn[n][b] * xsum[m][b]) for an MR x NR tile.
+template <class Q, int MR, int NR>
+inline void block_tile(const float* const* x, const float* const* xs, const typename Q::T* const* q,
+                       const float* const* d, const float* const* mn, int64_t nb, float (&out)[MR][NR]) {
+  float minacc[MR][NR] = {};
+#ifdef __AVX2__
+  __m256 acc[MR][NR];
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < nb; ++b) {
+    __m256 tmp[MR][NR];
+    for (int m = 0; m < MR; ++m)
+      for (int n = 0; n < NR; ++n) tmp[m][n] = _mm256_setzero_ps();
+    for (int v = 0; v < 4; ++v) {
+      __m256 wv[NR];
+      for (int n = 0; n < NR; ++n) wv[n] = Q::eight(q[n] + b * Q::bytes_per_block, v);
+      for (int m = 0; m < MR; ++m) {
+        __m256 xv = _mm256_loadu_ps(x[m] + b * QK + 8 * v);
+        for (int n = 0; n < NR; ++n) tmp[m][n] = _mm256_fmadd_ps(xv, wv[n], tmp[m][n]);
+      }
+    }
+    for (int n = 0; n < NR; ++n) {
+      __m256 dv = _mm256_broadcast_ss(d[n] + b);
+      for (int m = 0; m < MR; ++m) acc[m][n] = _mm256_fmadd_ps(tmp[m][n], dv, acc[m][n]);
+    }
+    if constexpr (Q::has_min)
+      for (int n = 0; n < NR; ++n)
+        for (int m = 0; m < MR; ++m) minacc[m][n] += mn[n][b] * xs[m][b];
+  }
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) out[m][n] = hsum(acc[m][n]) + minacc[m][n];
+#else
+  for (int m = 0; m < MR; ++m)
+    for (int n = 0; n < NR; ++n) {
+      float acc = 0.f;
+      for (int64_t b = 0; b < nb; ++b) {
+        float t = 0.f;
+        for (int j = 0; j < QK; ++j) t += x[m][b * QK + j] * Q::one(q[n] + b * Q::bytes_per_block, j);
+        acc += d[n][b] * t;
+        if constexpr (Q::has_min) minacc[m][n] += mn[n][b] * xs[m][b];
+      }
+      out[m][n] = acc + minacc[m][n];
+    }
+#endif
+}
+
+// ---- driver: partition N across threads, tile M by MR rows (tails clamp to the last row/col) --------------
+struct Problem {
+  int64_t M, N, K;
+  const float* x;       // [M, K]
+  const float* scale;   // [N] or nullptr (int8 per-row scale)
+  const float* bias;    // [N] or nullptr
+  float* y;             // [M, N]
+};
+
+// tile(xrows, n_index_array, out) computes one MR x NR tile; MR/NR chosen by M.
+template <int MR, int NR, class Tile>
+void run_tiles(const Problem& p, int64_t work_per_row, Tile tile) {
+  const int64_t nblk = (p.N + NR - 1) / NR;
+  const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, NR * work_per_row));
+  at::parallel_for(0, nblk, grain, [&](int64_t b0, int64_t b1) {
+    for (int64_t bi = b0; bi < b1; ++bi) {
+      int64_t rows[NR];
+      for (int n = 0; n < NR; ++n) rows[n] = std::min(bi * NR + n, p.N - 1);
+      for (int64_t m0 = 0; m0 < p.M; m0 += MR) {
+        const float* xr[MR];
+        int64_t ms[MR];
+        for (int m = 0; m < MR; ++m) {
+          ms[m] = std::min(m0 + m, p.M - 1);
+          xr[m] = p.x + ms[m] * p.K;
+        }
+        float out[MR][NR];
+        tile(xr, ms, rows, out);
+        for (int m = 0; m < MR && m0 + m < p.M; ++m)
+          for (int n = 0; n < NR && bi * NR + n < p.N; ++n) {
+            float v = out[m][n];
+            if (p.scale) v *= p.scale[rows[n]];
+            if (p.bias) v += p.bias[rows[n]];
+            p.y[(m0 + m) * p.N + rows[n]] = v;
+          }
+      }
+    }
+  });
+}
+
+template <class W, int MR, int NR>
+void dense_run(const Problem& p, const typename W::T* w) {
+  run_tiles<MR, NR>(p, p.K, [&](const float* const* xr, const int64_t*, const int64_t* rows, float (&out)[MR][NR]) {
+    const typename W::T* wr[NR];
+    for (int n = 0; n < NR; ++n) wr[n] = w + rows[n] * p.K;
+    dense_tile<W, MR, NR>(xr, wr, p.K, out);
+  });
+}
+
+template <class W>
+void dense_dispatch(const Problem& p, const typename W::T* w) {
+  if (p.M == 1) dense_run<W, 1, 1>(p, w);  // rows read as one sequential stream
+  else if (p.M == 2) dense_run<W, 2, 4>(p, w);
+  else if (p.M == 3) dense_run<W, 3, 4>(p, w);
+  else dense_run<W, 4, 3>(p, w);
+}
+
+template <class Q, int MR, int NR>
+void block_run(const Problem& p, const typename Q::T* q, const float* d, const float* mn, const float* xsum) {
+  const int64_t nb = p.K / QK;
+  run_tiles<MR, NR>(p, p.K, [&](const float* const* xr, const int64_t* ms, const int64_t* rows, float (&out)[MR][NR]) {
+    const typename Q::T* qr[NR];
+    const float* dr[NR];
+    const float* mr[NR];
+    const float* xs[MR];
+    for (int n = 0; n < NR; ++n) {
+      qr[n] = q + rows[n] * nb * Q::bytes_per_block;
+      dr[n] = d + rows[n] * nb;
+      mr[n] = mn ? mn + rows[n] * nb : nullptr;
+    }
+    for (int m = 0; m < MR; ++m) xs[m] = xsum ? xsum + ms[m] * nb : nullptr;
+    block_tile<Q, MR, NR>(xr, xs, qr, dr, mr, nb, out);
+  });
+}
+
+template <class Q>
+void block_dispatch(const Problem& p, const typename Q::T* q, const float* d, const float* mn, const float* xsum) {
+  if (p.M == 1) block_run<Q, 1, 4>(p, q, d, mn, xsum);
+  else if (p.M == 2) block_run<Q, 2, 2>(p, q, d, mn, xsum);
+  else block_run<Q, 3, 2>(p, q, d, mn, xsum);
+}
+
+// ---- argument checking -----------------------------------------------------------------------------------
+at::Tensor prep_x(const at::Tensor& x, int64_t K) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) == K, "x must be [M, K] with K=", K, ", got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "x must be float32");
+  return x.contiguous();
+}
+
+const float* prep_vec(const c10::optional<at::Tensor>& t, int64_t N, const char* what, at::Tensor& keep) {
+  if (!t.has_value() || !t->defined()) return nullptr;
+  TORCH_CHECK(t->dim() == 1 && t->size(0) == N, what, " must be [N] with N=", N);
+  keep = t->to(at::kFloat).contiguous();
+  return keep.data_ptr<float>();
+}
+
+Problem make_problem(const at::Tensor& x, int64_t N, at::Tensor& y) {
+  y = at::empty({x.size(0), N}, x.options());
+  return Problem{x.size(0), N, x.size(1), x.data_ptr<float>(), nullptr, nullptr, y.data_ptr<float>()};
+}
+
+}  // namespace
+
+// y = x @ w.T + bias; x fp32 [M,K]; w fp32 or bf16 [N,K]; bias [N] or None.
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w_in.dim() == 2, "w must be [N, K]");
+  const int64_t N = w_in.size(0), K = w_in.size(1);
+  at::Tensor x = prep_x(x_in, K), w = w_in.contiguous(), y, bk;
+  Problem p = make_problem(x, N, y);
+  p.bias = prep_vec(bias, N, "bias", bk);
+  if (x.size(0) == 0) return y;
+  if (w.scalar_type() == at::kFloat) dense_dispatch<WF32>(p, w.data_ptr<float>());
+  else if (w.scalar_type() == at::kBFloat16)
+    dense_dispatch<WBF16>(p, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()));
+  else TORCH_CHECK(false, "w must be float32 or bfloat16, got ", w.scalar_type());
+  return y;
+}
+
+// y = (x @ wq.T) * scale + bias; wq int8 [N,K]; scale fp32 [N].
+at::Tensor linear_int8(const at::Tensor& x_in, const at::Tensor& wq_in, const at::Tensor& scale,
+                          const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(wq_in.dim() == 2 && wq_in.scalar_type() == at::kChar, "wq must be int8 [N, K]");
+  const int64_t N = wq_in.size(0), K = wq_in.size(1);
+  at::Tensor x = prep_x(x_in, K), wq = wq_in.contiguous(), y, bk, sk;
+  Problem p = make_problem(x, N, y);
+  p.bias = prep_vec(bias, N, "bias", bk);
+  p.scale = prep_vec(scale, N, "scale", sk);
+  TORCH_CHECK(p.scale, "scale is required");
+  if (x.size(0) == 0) return y;
+  dense_dispatch<WI8>(p, wq.data_ptr<int8_t>());
+  return y;
+}
+
+namespace {
+// Checks the block tensors of a GGUF-style weight; returns (N, K).
+std::pair<int64_t, int64_t> check_blocks(const at::Tensor& qs, const at::Tensor& d, int64_t bytes_per_block) {
+  TORCH_CHECK(qs.dim() == 2 && d.dim() == 2 && d.size(0) == qs.size(0), "qs [N, *] and d [N, K/32] expected");
+  TORCH_CHECK(d.scalar_type() == at::kFloat, "block scales must be float32");
+  const int64_t N = qs.size(0), nb = d.size(1);
+  TORCH_CHECK(qs.size(1) == nb * bytes_per_block, "qs must be [N, ", nb * bytes_per_block, "], got ", qs.sizes());
+  return {N, nb * QK};
+}
+}  // namespace
+
+// Q8_0: qs int8 [N,K], d fp32 [N,K/32]; y = x @ (d*q).T + bias.
+at::Tensor linear_q8_0(const at::Tensor& x_in, const at::Tensor& qs_in, const at::Tensor& d_in,
+                          const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(qs_in.scalar_type() == at::kChar, "q8_0 qs must be int8");
+  auto [N, K] = check_blocks(qs_in, d_in, QK);
+  at::Tensor x = prep_x(x_in, K), qs = qs_in.contiguous(), d = d_in.contiguous(), y, bk;
+  Problem p = make_problem(x, N, y);
+  p.bias = prep_vec(bias, N, "bias", bk);
+  if (x.size(0) == 0) return y;
+  block_dispatch<Q8_0>(p, qs.data_ptr<int8_t>(), d.data_ptr<float>(), nullptr, nullptr);
+  return y;
+}
+
+// Q4_1: qs uint8 [N,K/2] (GGUF nibble order per block), d, m fp32 [N,K/32]; y = x @ (d*q+m).T + bias.
+at::Tensor linear_q4_1(const at::Tensor& x_in, const at::Tensor& qs_in, const at::Tensor& d_in,
+                          const at::Tensor& m_in, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(qs_in.scalar_type() == at::kByte, "q4_1 qs must be uint8");
+  auto [N, K] = check_blocks(qs_in, d_in, QK / 2);
+  TORCH_CHECK(m_in.sizes() == d_in.sizes() && m_in.scalar_type() == at::kFloat, "m must match d");
+  at::Tensor x = prep_x(x_in, K), qs = qs_in.contiguous(), d = d_in.contiguous(), mn = m_in.contiguous(), y, bk;
+  Problem p = make_problem(x, N, y);
+  p.bias = prep_vec(bias, N, "bias", bk);
+  if (x.size(0) == 0) return y;
+  at::Tensor xsum = x.view({x.size(0), K / QK, QK}).sum(-1).contiguous();  // [M, K/32]
+  block_dispatch<Q4_1>(p, qs.data_ptr<uint8_t>(), d.data_ptr<float>(), mn.data_ptr<float>(), xsum.data_ptr<float>());
+  return y;
+}
+
+}  // namespace tp

@@ -1,0 +1,164 @@
+"""Builds and loads the twophase C++ CPU kernels; ``None`` when they cannot be built (callers use plain torch).
+
+The extension is compiled once per (sources, torch version, flags, CPU) into
+``$TWOPHASE_HOME/extensions/<name>-<hash>/``; later processes import the finished ``.so`` directly
+(tens of milliseconds), without running the compiler or ninja. ``TWOPHASE_NO_KERNELS=1`` disables it.
+
+Kernels (all CPU, OpenMP over torch's intra-op threads, AVX2/FMA with a scalar fallback):
+
+- ``linear(x, w, bias=None)``: x fp32 [M,K]; w fp32 or bf16 [N,K]; bias [N] -> fp32 [M,N].
+- ``linear_int8(x, wq, scale, bias=None)``: wq int8 [N,K], scale fp32 [N]; y = (x @ wq.T) * scale + bias.
+- ``linear_q8_0(x, qs, d, bias=None)``: qs int8 [N,K], d fp32 [N,K/32]; w = d * q (layouts: ``quant.py``).
+- ``linear_q4_1(x, qs, d, m, bias=None)``: qs uint8 [N,K/2] (GGUF nibble order), d, m fp32 [N,K/32]; w = d*q + m.
+- ``paged_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size, scale)``:
+  writes ``out`` [T,H,D]; see ``paged_attention_ref`` in ``reference.py`` for the exact contract.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import functools
+import hashlib
+import importlib.util
+import logging
+import os
+import sys
+import time
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from twophase.loader.store import store_home
+
+log = logging.getLogger(__name__)
+
+NAME = "twophase_kernels"
+DISABLE_ENV = "TWOPHASE_NO_KERNELS"
+CSRC = Path(__file__).with_name("csrc")
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-DNDEBUG"]
+LDFLAGS = ["-fopenmp"]
+_DONE = "BUILD_OK"  # marker written after a successful build; its absence means "build (again)"
+
+
+def _sources() -> list[Path]:
+    """The .cpp files compiled into the extension (headers are hashed, not compiled)."""
+    return sorted(CSRC.glob("*.cpp"))
+
+
+def _cpu_signature() -> str:
+    """Model name and ISA flags of this CPU: ``-march=native`` binaries must not move between CPUs."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        import platform
+
+        return platform.processor() or platform.machine()
+    keep = [ln for ln in lines if ln.startswith(("model name", "flags"))]
+    return "\n".join(dict.fromkeys(keep))  # first of each distinct line
+
+
+def build_key() -> str:
+    """Short hash of the sources, headers, torch version, Python ABI, flags and CPU."""
+    h = hashlib.sha256()
+    for path in sorted(CSRC.glob("*")):
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    for part in (torch.__version__, sys.version, " ".join(CFLAGS + LDFLAGS), _cpu_signature()):
+        h.update(part.encode() + b"\0")
+    return h.hexdigest()[:12]
+
+
+def build_dir() -> Path:
+    """``$TWOPHASE_HOME/extensions/<name>-<hash>``."""
+    return store_home() / "extensions" / f"{NAME}-{build_key()}"
+
+
+def _import_built(directory: Path) -> ModuleType | None:
+    """Imports an already-built extension from ``directory``, or ``None`` when there is none."""
+    so = directory / f"{NAME}.so"
+    if not (directory / _DONE).exists() or not so.exists():
+        return None
+    spec = importlib.util.spec_from_file_location(NAME, so)
+    if spec is None or spec.loader is None:
+        return None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _ninja_dirs() -> list[str]:
+    """Where the pip ``ninja`` package and this interpreter's scripts live (a venv need not be activated)."""
+    dirs = [str(Path(sys.executable).parent)]
+    try:
+        import ninja
+
+        dirs.insert(0, str(ninja.BIN_DIR))
+    except (ImportError, AttributeError):
+        pass
+    return dirs
+
+
+def _compile(directory: Path, verbose: bool = False) -> ModuleType:
+    """Compiles the sources with torch's cpp_extension (ninja) into ``directory``."""
+    from torch.utils import cpp_extension
+
+    directory.mkdir(parents=True, exist_ok=True)
+    with open(directory / "build.flock", "w") as lock_file:
+        fcntl.flock(lock_file, fcntl.LOCK_EX)  # one builder at a time; released if the process dies
+        module = _import_built(directory)  # another process may have finished while we waited
+        if module is not None:
+            return module
+        (directory / "lock").unlink(missing_ok=True)  # cpp_extension's baton, stale after a killed build
+        old_path = os.environ.get("PATH", "")
+        os.environ["PATH"] = os.pathsep.join([*_ninja_dirs(), old_path])  # cpp_extension runs `ninja`
+        try:
+            module = cpp_extension.load(
+                name=NAME,
+                sources=[str(s) for s in _sources()],
+                extra_cflags=CFLAGS,
+                extra_ldflags=LDFLAGS,
+                extra_include_paths=[str(CSRC)],
+                build_directory=str(directory),
+                verbose=verbose,
+            )
+        finally:
+            os.environ["PATH"] = old_path
+        (directory / _DONE).write_text(torch.__version__ + "\n")
+    return module
+
+
+def build_kernels(verbose: bool = False) -> Path:
+    """Builds (or reuses) the extension and returns its build directory; raises when the build fails."""
+    directory = build_dir()
+    if _import_built(directory) is None:
+        _compile(directory, verbose=verbose)
+    return directory
+
+
+@functools.lru_cache(maxsize=1)
+def load_kernels() -> ModuleType | None:
+    """The compiled kernels module (built on first use), or ``None`` if disabled or the build fails."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return None
+    try:
+        directory = build_dir()
+        return _import_built(directory) or _compile(directory)
+    except Exception as exc:  # noqa: BLE001 - any build failure means "fall back to torch"
+        log.warning("twophase C++ kernels unavailable (%s: %s); using plain torch", type(exc).__name__, exc)
+        return None
+
+
+def kernels_available() -> bool:
+    """Whether ``load_kernels()`` gives a module."""
+    return load_kernels() is not None
+
+
+def main() -> None:
+    """``python -m twophase.model.ops.extension``: build the kernels and print where they live."""
+    t0 = time.perf_counter()
+    directory = build_kernels(verbose="-v" in sys.argv)
+    print(f"twophase kernels: {directory} ({time.perf_counter() - t0:.1f} s)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,141 @@
+"""Linear layers behind one small interface: a method packs a weight once at load time, then each call maps
+``x [T, in] -> [T, out]``.
+
+Methods (``--quantization`` picks the weight format, the C++ kernels make it fast when they build):
+
+- ``dense``: ``F.linear`` on the weight as loaded — the reference every other method is tested against.
+- ``kernel``: the same float32/bfloat16 weight through our small-M kernel (each weight row streamed once for all
+  rows of the batch, at memory bandwidth); rows beyond ``max_kernel_rows`` go to ``F.linear`` (GEMM-bound).
+- ``int8``: weight-only int8 with one float32 scale per output channel (symmetric, round to nearest).
+- ``q8_0`` / ``q4_1``: GGUF's block formats (32 weights per block: ``d·q`` / ``d·q + m``), executed without
+  dequantising to a full-precision copy; activations stay float32.
+
+Without the kernels every method still runs (plain torch: dequantise then ``F.linear``), slower but equal.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+QUANTIZATIONS = ("none", "int8", "q8_0", "q4_1", "gguf")  # gguf: each weight in the block format it is stored in
+# Beyond this many rows a GEMM (F.linear on float32 weights) beats streaming the weight per row tile. Measured
+# over SmolLM2-135M's 121 matrices on a 2-core Zen 3 (benchmarks/bench_kernels.py): the float, int8 and q8_0
+# kernels still win at 128 rows, q4_1 (nibble unpacking) stops winning after 32.
+MAX_KERNEL_ROWS = {"none": 128, "int8": 128, "q8_0": 128, "q4_1": 32}
+
+
+class DenseLinear(nn.Module):
+    """``F.linear`` on the weight as loaded (reference)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.register_buffer("weight", weight)  # [out, in]
+        self.register_buffer("bias", bias)  # [out] or None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        """y = x Wᵀ + b."""
+        return F.linear(x, self.weight, self.bias)
+
+
+class KernelLinear(DenseLinear):
+    """float32 / bfloat16 weight, small batches through the streaming kernel, large ones through F.linear."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: ModuleType) -> None:
+        super().__init__(weight.contiguous(), bias)
+        self.kernels = kernels
+        self.bias32 = None if bias is None else bias.float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        """y = x Wᵀ + b (float32 accumulation in the kernel)."""
+        if x.shape[0] > MAX_KERNEL_ROWS["none"] or x.dtype == torch.float64:
+            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return self.kernels.linear(x.float().contiguous(), self.weight, self.bias32).to(x.dtype)
+
+
+class QuantizedLinear(nn.Module):
+    """Weight-only quantized linear: int8 per channel, or GGUF Q8_0 / Q4_1 blocks."""
+
+    def __init__(
+        self, weight: torch.Tensor | None, bias: torch.Tensor | None, fmt: str, kernels: ModuleType | None,
+        packed: tuple[torch.Tensor, ...] | None = None,
+    ) -> None:
+        super().__init__()
+        self.fmt = fmt
+        self.kernels = kernels
+        # tuple of tensors, format-specific (the kernel's argument order): as stored in the file, or quantized here
+        self.packed = packed if packed is not None else quantize(weight, fmt)
+        self.bias32 = None if bias is None else bias.float()
+
+    def dequantized(self) -> torch.Tensor:
+        """The float32 weight [out, in] the quantized one stands for."""
+        return dequantize(self.packed, self.fmt)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        """y = x dequant(W)ᵀ + b, without materialising dequant(W) for small batches when the kernels exist."""
+        x32 = x.float().contiguous()
+        if self.kernels is None or x.shape[0] > MAX_KERNEL_ROWS[self.fmt]:
+            return F.linear(x32, self.dequantized(), self.bias32).to(x.dtype)
+        kernel = getattr(self.kernels, "linear_" + self.fmt)
+        return kernel(x32, *self.packed, self.bias32).to(x.dtype)
+
+
+def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel int8: (q [out, in] int8, scale [out] float32) with w ≈ q · scale."""
+    w = weight.float()
+    scale = w.abs().amax(dim=1).clamp_min(1e-30) / 127.0  # [out]
+    q = torch.round(w / scale[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q, scale
+
+
+def quantize(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
+    """``weight`` [out, in] in format ``fmt`` (int8, q8_0, q4_1) as the tensors its kernel takes."""
+    from twophase.model.ops import quant
+
+    if fmt == "int8":
+        return quantize_int8(weight)
+    if weight.shape[1] % quant.QK:
+        raise ValueError(f"{fmt} needs the input size to be a multiple of {quant.QK}, got {weight.shape[1]}")
+    return quant.quantize_q8_0(weight) if fmt == "q8_0" else quant.quantize_q4_1(weight)
+
+
+def dequantize(packed: tuple[torch.Tensor, ...], fmt: str) -> torch.Tensor:
+    """The float32 weight [out, in] that ``quantize`` packed (the plain-torch reference of every kernel)."""
+    from twophase.model.ops import quant
+
+    if fmt == "int8":
+        q, scale = packed
+        return q.float() * scale[:, None]
+    return quant.dequantize_q8_0(*packed) if fmt == "q8_0" else quant.dequantize_q4_1(*packed)
+
+
+def make_linear(
+    weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, kernels: ModuleType | None,
+    native: tuple[str, tuple[torch.Tensor, ...]] | None = None,
+) -> nn.Module:
+    """The fastest available layer computing ``x Wᵀ + b`` for ``weight`` [out, in] in the chosen format.
+
+    ``native``: (format, tensors) of the same weight as stored in a GGUF file; used as is when its format is the
+    one asked for, or for ``gguf`` (each weight as stored; float where it is stored as float)."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
+    if native is not None and quantization in ("gguf", native[0]):
+        return QuantizedLinear(None, bias, native[0], kernels, packed=native[1])
+    if quantization not in ("none", "gguf"):
+        return QuantizedLinear(weight, bias, quantization, kernels)
+    usable = kernels is not None and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
+    return KernelLinear(weight, bias, kernels) if usable else DenseLinear(weight, bias)
+
+
+def pack_linear_layers(model: nn.Module, quantization: str, kernels: ModuleType | None, native_of=None) -> None:
+    """Replace every ``nn.Linear`` in ``model`` by ``make_linear`` of its loaded weight (in place).
+    ``native_of(qualified module name)``: its weight as stored in the file, (format, tensors) or None."""
+    for parent_name, parent in list(model.named_modules()):
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                native = native_of(f"{parent_name}.{name}".lstrip(".")) if native_of else None
+                bias = None if child.bias is None else child.bias.data
+                setattr(parent, name, make_linear(child.weight.data, bias, quantization, kernels, native))

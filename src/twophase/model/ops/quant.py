@@ -1,0 +1,87 @@
+"""GGUF-style block quantization (Q8_0, Q4_1) in the layouts the C++ kernels read, plus exact dequantization.
+
+Layouts (K must be a multiple of 32; one block = 32 consecutive weights of a row):
+
+- Q8_0: ``qs`` int8 [N, K], ``d`` float32 [N, K/32]; w = d * q.
+- Q4_1: ``qs`` uint8 [N, K/2], ``d``, ``m`` float32 [N, K/32]; w = d * q + m, q in 0..15. Byte j of a
+  block's 16 bytes holds element j in its low nibble and element j+16 in its high nibble (GGUF order),
+  so raw GGUF block data converts by slicing (``from_gguf_q8_0`` / ``from_gguf_q4_1``).
+
+Scales are float32 in memory; quantizers round them through float16 like ggml, so GGUF files round-trip.
+"""
+
+from __future__ import annotations
+
+import torch
+
+QK = 32  # weights per block
+
+
+def _blocks(w: torch.Tensor) -> torch.Tensor:
+    """[N, K] -> float32 [N, K/32, 32]."""
+    n, k = w.shape
+    if k % QK:
+        raise ValueError(f"K={k} is not a multiple of {QK}")
+    return w.float().reshape(n, k // QK, QK)
+
+
+def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (qs int8 [N, K], d float32 [N, K/32]), as ggml's reference quantizer."""
+    b = _blocks(w)
+    d = b.abs().amax(-1) / 127.0  # [N, nb]
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(b * inv[..., None]).clamp(-128, 127).to(torch.int8)
+    return q.reshape(w.shape), d.half().float()
+
+
+def dequantize_q8_0(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """(qs [N, K], d [N, K/32]) -> float32 [N, K]."""
+    n, k = qs.shape
+    return (qs.float().reshape(n, k // QK, QK) * d[..., None]).reshape(n, k)
+
+
+def quantize_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """float [N, K] -> (qs uint8 [N, K/2], d float32 [N, K/32], m float32 [N, K/32]), as ggml."""
+    b = _blocks(w)
+    lo, hi = b.amin(-1), b.amax(-1)  # [N, nb]
+    d = (hi - lo) / 15.0
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.floor((b - lo[..., None]) * inv[..., None] + 0.5).clamp(0, 15).to(torch.uint8)
+    return pack_nibbles(q), d.half().float(), lo.half().float()
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """uint8 values 0..15 [N, nb, 32] -> packed uint8 [N, nb*16] (element j low, j+16 high)."""
+    n, nb, _ = q.shape
+    return (q[..., :16] | (q[..., 16:] << 4)).reshape(n, nb * 16)
+
+
+def unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """packed uint8 [N, K/2] -> uint8 0..15 [N, K/32, 32]."""
+    n, half = qs.shape
+    blk = qs.reshape(n, half // 16, 16)
+    return torch.cat([blk & 0x0F, blk >> 4], dim=-1)
+
+
+def dequantize_q4_1(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """(qs [N, K/2], d, m [N, K/32]) -> float32 [N, K]."""
+    q = unpack_nibbles(qs).float()
+    n, nb, _ = q.shape
+    return (q * d[..., None] + m[..., None]).reshape(n, nb * QK)
+
+
+def from_gguf_q8_0(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw GGUF Q8_0 bytes (N*K/32 blocks of fp16 d + 32 int8) -> (qs, d)."""
+    blk = raw.reshape(n, k // QK, 34)
+    d = blk[..., :2].contiguous().view(torch.float16).reshape(n, k // QK).float()
+    qs = blk[..., 2:].contiguous().view(torch.int8).reshape(n, k)
+    return qs, d
+
+
+def from_gguf_q4_1(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw GGUF Q4_1 bytes (N*K/32 blocks of fp16 d, fp16 m, 16 packed bytes) -> (qs, d, m)."""
+    blk = raw.reshape(n, k // QK, 20)
+    d = blk[..., 0:2].contiguous().view(torch.float16).reshape(n, k // QK).float()
+    m = blk[..., 2:4].contiguous().view(torch.float16).reshape(n, k // QK).float()
+    qs = blk[..., 4:].contiguous().reshape(n, k // 2)
+    return qs, d, m

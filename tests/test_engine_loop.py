@@ -1,0 +1,73 @@
+"""Issue 12's hang: with chunked prefill off, a prompt longer than the step budget runs whole (never blocks the
+queue), and the async engine's loop sleeps instead of spinning when it has nothing to run."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from twophase import LLM, SamplingParams
+from twophase.engine.async_engine import AsyncLLM
+from tiny_models import write_tiny_llama
+
+PROMPT_LEN, BUDGET = 800, 512
+
+
+@pytest.fixture(scope="module")
+def unchunked_llm(tmp_path_factory) -> LLM:
+    model_dir = write_tiny_llama(tmp_path_factory.mktemp("tiny-1k"), initializer_range=0.3,
+                                 max_position_embeddings=1024)
+    return LLM(str(model_dir), progress=False, block_size=16, num_blocks=128, max_model_len=1024,
+               max_num_batched_tokens=BUDGET, enable_chunked_prefill=False)
+
+
+def long_prompt(first: int = 10) -> list[int]:
+    return [first + i % 200 for i in range(PROMPT_LEN)]
+
+
+def test_unchunked_prompt_over_budget_completes(unchunked_llm):
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    start = time.monotonic()
+    short, long = unchunked_llm.generate([[5, 6, 7], long_prompt()], params)
+    assert time.monotonic() - start < 30
+    assert len(short.token_ids) == 4 and len(long.token_ids) == 4
+    prompt_steps = [r for r in unchunked_llm.engine.step_records if r.num_prompt_tokens == PROMPT_LEN]
+    assert prompt_steps and prompt_steps[-1].num_requests == 1  # the long prompt ran whole, in a step of its own
+    assert unchunked_llm.engine.scheduler.block_manager.num_blocks_in_use == 0
+
+
+def test_async_engine_serves_long_prompt_and_sleeps_when_idle(unchunked_llm):
+    engine = unchunked_llm.engine
+    calls = {"n": 0}
+    has_unfinished = engine.has_unfinished_requests
+
+    def counting() -> bool:
+        calls["n"] += 1
+        return has_unfinished()
+
+    engine.has_unfinished_requests = counting  # instance attribute: counts loop iterations
+    llm = AsyncLLM(engine)
+    llm.start()
+    try:
+        asyncio.run(asyncio.wait_for(_generate_two(llm), timeout=30))
+        time.sleep(0.1)
+        before = calls["n"]
+        time.sleep(0.5)
+        assert calls["n"] - before == 0, "the idle loop must sleep, not poll"
+        assert time.monotonic() - llm.last_loop_time < 0.1  # a parked loop is not stale for /ready
+    finally:
+        llm.shutdown()
+        del engine.has_unfinished_requests
+    assert not llm._thread.is_alive()
+
+
+async def _generate_two(llm: AsyncLLM) -> None:
+    params = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+
+    async def run(prompt, request_id):
+        return [o async for o in llm.generate(prompt, params, request_id)][-1]
+
+    outs = await asyncio.gather(run(long_prompt(20), "long"), run([1, 2, 3, 4], "short"))
+    assert all(o.finished and len(o.token_ids) == 3 for o in outs)

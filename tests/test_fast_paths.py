@@ -1,0 +1,127 @@
+"""Every fast path against its reference on the tiny models, and bfloat16 / quantized agreement on the real one.
+
+Tolerances:
+- float32 kernels vs the float64 reference: the kernels accumulate in float32 in another order than BLAS, so
+  logits differ by float32 rounding (~1e-6 relative per op, summed over a few layers): 1e-4 as in the HF parity.
+- quantized kernels vs their own dequantised weights in plain torch: the same weights, only the summation order
+  differs: 1e-4.
+- bfloat16 vs float32, quantized vs dense: errors scale with the logits, so they are bounded as a fraction of
+  the largest |logit| (bfloat16 keeps 8 mantissa bits, 2^-9 relative per rounding, compounded over the layers of
+  a random model with large weights: within 5%).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from prerequisites import in_ci
+from test_parity_hf import PROMPTS, packed_logits
+from twophase import LLM, SamplingParams
+from twophase.model.ops.extension import load_kernels
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def kernels():
+    module = load_kernels()
+    if module is None:
+        if in_ci():
+            pytest.fail("the C++ kernels did not build (required when CI is set)", pytrace=False)
+        pytest.skip("the C++ kernels did not build")
+    return module
+
+
+def make_llm(path, **options) -> LLM:
+    return LLM(str(path), progress=False, block_size=4, num_blocks=64, **options)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_untied_dir"])
+def test_fp32_kernels_match_float64_reference(fixture, request):
+    path = request.getfixturevalue(fixture)
+    fast = make_llm(path, dtype="float32")
+    runner = fast.engine.model_runner
+    assert runner.backend.name == "kernel" and runner.linear_kernels
+    reference = make_llm(path, dtype="float64", attention_backend="torch", linear_backend="torch")
+    for ours, theirs in zip(packed_logits(fast, PROMPTS), packed_logits(reference, PROMPTS)):
+        torch.testing.assert_close(ours, theirs.float(), rtol=1e-4, atol=1e-4)
+    plain = make_llm(path, dtype="float32", attention_backend="torch", linear_backend="torch")
+    assert [o.token_ids for o in fast.generate(PROMPTS, GREEDY)] == [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("quantization", ["int8", "q8_0", "q4_1"])
+def test_quantized_kernels_match_their_dequantised_weights(tiny_qwen2_dir, quantization):
+    fast = make_llm(tiny_qwen2_dir, dtype="float32", quantization=quantization)
+    plain = make_llm(tiny_qwen2_dir, dtype="float32", quantization=quantization, linear_backend="torch",
+                     attention_backend="torch")  # fmt: skip
+    for ours, theirs in zip(packed_logits(fast, PROMPTS), packed_logits(plain, PROMPTS)):
+        torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
+    assert [o.token_ids for o in fast.generate(PROMPTS, GREEDY)] == [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+
+
+def test_quantized_weights_change_the_logits_only_a_little(tiny_llama_dir):
+    """8-bit formats move logits by a few % of their range, 4-bit (16 levels, random weights) by more."""
+    dense = torch.cat(packed_logits(make_llm(tiny_llama_dir, dtype="float32"), PROMPTS))  # [tokens, vocab]
+    scale = float(dense.abs().max())
+    for quantization, limit in (("int8", 0.05), ("q8_0", 0.05), ("q4_1", 0.6)):
+        llm = make_llm(tiny_llama_dir, dtype="float32", quantization=quantization)
+        error = float((torch.cat(packed_logits(llm, PROMPTS)) - dense).abs().max()) / scale
+        assert 0 < error <= limit, f"{quantization}: max error {error:.4f} of the logit range"
+
+
+def test_bf16_kernels_close_to_fp32(tiny_llama_dir):
+    bf16 = make_llm(tiny_llama_dir, dtype="bfloat16")
+    assert bf16.engine.model_runner.backend.name == "kernel"
+    fp32 = make_llm(tiny_llama_dir, dtype="float32", attention_backend="torch", linear_backend="torch")
+    reference = torch.cat(packed_logits(fp32, PROMPTS))  # [tokens, vocab]
+    error = (torch.cat(packed_logits(bf16, PROMPTS)) - reference).abs().max() / reference.abs().max()
+    assert error < 0.05, f"bfloat16 moved a logit by {error:.3f} of the logit range"
+
+
+def test_mixed_batch_decode_and_chunks_on_kernels(tiny_llama_dir):
+    """Decode rows and prefill chunks in one step (budget 7) give the tokens of each prompt alone."""
+    alone = [make_llm(tiny_llama_dir, dtype="float32").generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+    together = LLM(str(tiny_llama_dir), progress=False, block_size=4, num_blocks=64, dtype="float32",
+                   max_num_batched_tokens=7).generate(PROMPTS, GREEDY)  # fmt: skip
+    assert [o.token_ids for o in together] == alone
+
+
+def teacher_forced_top1(llm: LLM, reference: LLM, prompts: list[list[int]]) -> float:
+    """Fraction of positions where ``llm``'s argmax equals ``reference``'s on the same token sequences."""
+    agree = total = 0
+    for ours, theirs in zip(packed_logits(llm, prompts), packed_logits(reference, prompts)):
+        agree += int((ours.argmax(-1) == theirs.argmax(-1)).sum())
+        total += ours.shape[0]
+    return agree / total
+
+
+@pytest.mark.parametrize("dtype,quantization,floor", [("bfloat16", "none", 0.97), ("float32", "int8", 0.95),
+                                                      ("float32", "q8_0", 0.97), ("float32", "gguf", 0.99)])  # fmt: skip
+def test_real_model_agreement_with_float32(default_model, dtype, quantization, floor):
+    """Teacher-forced top-1 agreement with float32 on real text (the chat prompts plus their greedy answers)."""
+    from test_parity_hf import CHAT_PROMPTS
+
+    reference = LLM(str(default_model), dtype="float32", progress=False)
+    conversations = [[{"role": "user", "content": q}] for q in CHAT_PROMPTS]
+    answers = reference.chat(conversations, SamplingParams(temperature=0, max_tokens=48))
+    sequences = [reference.render_chat(c) + a.token_ids for c, a in zip(conversations, answers)]
+    other = LLM(str(default_model), dtype=dtype, quantization=quantization, progress=False)
+    agreement = teacher_forced_top1(other, reference, sequences)
+    print(f"{dtype}/{quantization}: top-1 agreement with float32 {agreement:.3f}")
+    assert agreement >= floor
+
+
+def test_gguf_weights_run_as_stored(default_model):
+    """--quantization gguf keeps SmolLM2's Q4_1 projections and Q8_0 head as stored: dequantising them gives back
+    exactly the float32 weights the loader reads (so row order and llama.cpp's q/k permutation are right)."""
+    dense = LLM(str(default_model), dtype="float32", progress=False, num_blocks=8).engine.model_runner.model
+    native = LLM(str(default_model), dtype="float32", quantization="gguf", progress=False, num_blocks=8)
+    model = native.engine.model_runner.model
+    assert model.logits_head.fmt == "q8_0"
+    for i in (0, len(model.layers) - 1):
+        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+            layer, reference = model.layers[i].get_submodule(name), dense.layers[i].get_submodule(name)
+            assert layer.fmt == "q4_1"
+            assert torch.equal(layer.dequantized(), reference.weight), name
+    assert torch.equal(model.logits_head.dequantized(), dense.embed_tokens.weight)

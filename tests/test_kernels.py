@@ -1,0 +1,186 @@
+"""The C++ CPU kernels against float64 plain-torch references (skipped when they cannot build, unless CI)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from twophase.model.ops import extension
+from twophase.model.ops.quant import (
+    dequantize_q4_1,
+    dequantize_q8_0,
+    from_gguf_q4_1,
+    from_gguf_q8_0,
+    pack_nibbles,
+    quantize_q4_1,
+    quantize_q8_0,
+)
+from twophase.model.ops.reference import paged_attention_ref
+
+K = extension.load_kernels()
+if K is None:
+    if os.environ.get("CI"):
+        raise RuntimeError("twophase C++ kernels failed to build (CI requires them)")
+    pytest.skip("twophase C++ kernels unavailable", allow_module_level=True)
+
+SHAPES = [(131, 577), (64, 64), (5, 1), (7, 33)]  # (N, K): odd N tails, odd K tails, K < 8
+
+
+def assert_dot_close(y: torch.Tensor, ref: torch.Tensor, absprod: torch.Tensor) -> None:
+    """fp32 dot products vs a float64 oracle: the error of a K-term fp32 sum is bounded by ~K*u*sum|x*w|
+    (u = 2**-24); typical error is ~sqrt(K)*u*sum|x*w|. 1e-5*sum|x*w| sits between the two for K <= 600."""
+    err = (y.double() - ref).abs()
+    bound = 1e-5 * absprod + 1e-6
+    assert (err <= bound).all(), f"max err {err.max():.3g}, at bound {bound.flatten()[err.argmax()]:.3g}"
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear(m: int, dtype: torch.dtype, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(m)
+    for n, k in SHAPES:
+        x = torch.randn(m, k, generator=g)
+        w = torch.randn(n, k, generator=g).to(dtype)  # bf16 values are exact in float64
+        b = torch.randn(n, generator=g) if with_bias else None
+        ref = x.double() @ w.double().T + (b.double() if with_bias else 0)
+        assert_dot_close(K.linear(x, w, b), ref, x.double().abs() @ w.double().abs().T)
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_int8(m: int, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(100 + m)
+    for n, k in SHAPES:
+        x = torch.randn(m, k, generator=g)
+        wq = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+        s = torch.rand(n, generator=g) / 64
+        b = torch.randn(n, generator=g) if with_bias else None
+        ref = (x.double() @ wq.double().T) * s.double() + (b.double() if with_bias else 0)
+        absprod = (x.double().abs() @ wq.double().abs().T) * s.double()
+        assert_dot_close(K.linear_int8(x, wq, s, b), ref, absprod)
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_q8_0(m: int, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(200 + m)
+    for n, k in [(131, 576), (7, 32), (64, 1536)]:
+        x = torch.randn(m, k, generator=g)
+        qs, d = quantize_q8_0(torch.randn(n, k, generator=g))
+        b = torch.randn(n, generator=g) if with_bias else None
+        w = dequantize_q8_0(qs, d).double()  # d (fp16-rounded) * int8 is exact in fp32
+        ref = x.double() @ w.T + (b.double() if with_bias else 0)
+        assert_dot_close(K.linear_q8_0(x, qs, d, b), ref, x.double().abs() @ w.abs().T)
+
+
+@pytest.mark.parametrize("m", [1, 3, 17, 64])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_q4_1(m: int, with_bias: bool) -> None:
+    g = torch.Generator().manual_seed(300 + m)
+    for n, k in [(131, 576), (7, 32), (64, 1536)]:
+        x = torch.randn(m, k, generator=g)
+        qs, d, mn = quantize_q4_1(torch.randn(n, k, generator=g))
+        b = torch.randn(n, generator=g) if with_bias else None
+        # Oracle in float64 from the exact parts; the kernel computes d*sum(x*q) + m*sum(x) per block.
+        q = dequantize_q4_1(qs, torch.ones_like(d), torch.zeros_like(mn)).double()
+        nb = k // 32
+        dq = (q.view(n, nb, 32) * d.double()[..., None]).view(n, k)
+        mm = mn.double().repeat_interleave(32, dim=1)
+        ref = x.double() @ (dq + mm).T + (b.double() if with_bias else 0)
+        absprod = x.double().abs() @ (dq.abs() + mm.abs()).T
+        assert_dot_close(K.linear_q4_1(x, qs, d, mn, b), ref, absprod)
+
+
+def test_q8_0_round_trip_exact() -> None:
+    g = torch.Generator().manual_seed(1)
+    n, k = 6, 96
+    q = torch.randint(-127, 128, (n, k // 32, 32), generator=g)
+    q[..., 0] = 127  # amax = 127 * d, so the quantizer recovers d exactly
+    d = 2.0 ** -torch.randint(0, 10, (n, k // 32), generator=g).float()  # powers of two: 1/d exact
+    w = (q * d[..., None]).reshape(n, k)
+    qs, d2 = quantize_q8_0(w)
+    assert torch.equal(qs, q.reshape(n, k).to(torch.int8)) and torch.equal(d2, d)
+    assert torch.equal(dequantize_q8_0(qs, d2), w)
+    raw = torch.cat([d.half().view(n, k // 32, 1).view(torch.uint8), qs.view(n, k // 32, 32).view(torch.uint8)], -1)
+    qs3, d3 = from_gguf_q8_0(raw.reshape(-1), n, k)
+    assert torch.equal(qs3, qs) and torch.equal(d3, d)
+
+
+def test_q4_1_round_trip_exact() -> None:
+    g = torch.Generator().manual_seed(2)
+    n, k = 5, 64
+    q = torch.randint(0, 16, (n, k // 32, 32), generator=g, dtype=torch.uint8)
+    q[..., 0], q[..., 1] = 0, 15  # min and max present: the quantizer recovers m and d exactly
+    d = 2.0 ** -torch.randint(0, 8, (n, k // 32), generator=g).float()
+    m = torch.randint(-20, 5, (n, k // 32), generator=g).float() * d  # a multiple of d: sums stay exact
+    w = (q.float() * d[..., None] + m[..., None]).reshape(n, k)
+    qs, d2, m2 = quantize_q4_1(w)
+    assert torch.equal(qs, pack_nibbles(q)) and torch.equal(d2, d) and torch.equal(m2, m)
+    assert torch.equal(dequantize_q4_1(qs, d2, m2), w)
+    half = lambda t: t.half().view(n, k // 32, 1).view(torch.uint8)  # noqa: E731
+    raw = torch.cat([half(d), half(m), qs.view(n, k // 32, 16)], -1)
+    qs3, d3, m3 = from_gguf_q4_1(raw.reshape(-1), n, k)
+    assert torch.equal(qs3, qs) and torch.equal(d3, d) and torch.equal(m3, m)
+
+
+def _paged_case(cache_dtype: torch.dtype, block_size: int, seed: int):
+    """Mixed batch: decode rows, prefill chunks starting at 0 and > 0, an idle request; shuffled blocks."""
+    g = torch.Generator().manual_seed(seed)
+    heads, kv_heads, dim = 6, 2, 40
+    seq_lens = [1, 37, 100, 16, 53, 9]
+    q_lens = [1, 1, 30, 16, 0, 9]  # decode, decode, chunk at 70.., full prefill, no query, full prefill
+    max_blocks = max(-(-s // block_size) for s in seq_lens) + 1
+    n_blocks = len(seq_lens) * max_blocks
+    perm = torch.randperm(n_blocks, generator=g).to(torch.int32)
+    tables = perm.view(len(seq_lens), max_blocks)
+    kv = torch.randn(n_blocks * block_size, 2, kv_heads, dim, generator=g).to(cache_dtype)
+    k_cache, v_cache = kv[:, 0], kv[:, 1]  # strided views: slot stride 2*KVH*D
+    qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    q = torch.randn(int(qsl[-1]), heads, dim, generator=g)
+    return q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), qsl, dim ** -0.5
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [16, 7])
+def test_paged_attention(cache_dtype: torch.dtype, block_size: int) -> None:
+    q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(cache_dtype, block_size, seed=block_size)
+    ref = torch.zeros(q.shape, dtype=torch.float64)
+    paged_attention_ref(ref, q.double(), kc.double(), vc.double(), tables, seq_lens, qsl, block_size, scale)
+    out = torch.full_like(q, float("nan"))
+    K.paged_attention(out, q, kc, vc, tables, seq_lens, qsl, block_size, scale)
+    # fp32 scores/softmax/accumulation (polynomial exp, ~2 ulp) over <= 100 keys; outputs are convex
+    # combinations of N(0,1) values, so absolute errors stay ~1e-6.
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=2e-5)
+
+
+def test_paged_attention_bf16_q_out() -> None:
+    q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(torch.bfloat16, 16, seed=3)
+    qb = q.bfloat16()
+    ref = torch.zeros(q.shape, dtype=torch.float64)
+    paged_attention_ref(ref, qb.double(), kc.double(), vc.double(), tables, seq_lens, qsl, 16, scale)
+    out = torch.empty_like(qb)
+    K.paged_attention(out, qb, kc, vc, tables, seq_lens, qsl, 16, scale)
+    # Output rounded to bf16 (8-bit mantissa): relative error 2**-9 of |out| <= ~3.
+    torch.testing.assert_close(out.double(), ref, rtol=8e-3, atol=8e-3)
+
+
+def test_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(extension.DISABLE_ENV, "1")
+    assert extension.load_kernels.__wrapped__() is None
+
+
+def test_build_dir_under_home(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("TWOPHASE_HOME", str(tmp_path))
+    d = extension.build_dir()
+    assert d.parent == tmp_path / "extensions" and d.name.startswith(extension.NAME + "-")
+
+
+def test_paged_attention_rejects_out_of_range_block() -> None:
+    q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(torch.float32, 16, seed=4)
+    tables = tables.clone()
+    tables[2, 0] = kc.shape[0] // 16  # one past the last block
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        K.paged_attention(torch.empty_like(q), q, kc, vc, tables, seq_lens, qsl, 16, scale)
