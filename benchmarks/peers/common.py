@@ -1,0 +1,162 @@
+"""Shared helpers of the peer comparison: where peers live, server processes, the S1 client, medians."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+from twophase.loader.store import store_home
+
+HOST = "127.0.0.1"  # every server compare.py starts listens on loopback only
+
+
+def peers_home() -> Path:
+    """``$TWOPHASE_HOME/peers``: everything the comparison installs lives here."""
+    path = store_home() / "peers"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def median(values: list[float]) -> float:
+    """Median of the finite values, NaN when there are none."""
+    finite = [v for v in values if v == v]
+    return statistics.median(finite) if finite else float("nan")
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 nobody listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((HOST, 0))
+        return sock.getsockname()[1]
+
+
+def log(message: str) -> None:
+    print(f"[compare] {message}", file=sys.stderr, flush=True)
+
+
+class ServerError(RuntimeError):
+    """A server that exited or never became healthy."""
+
+
+class Server:
+    """A server subprocess on 127.0.0.1:port: started by ``with``, stopped (SIGTERM, then SIGKILL) on exit."""
+
+    def __init__(self, name: str, argv: list[str], port: int, health_path: str = "/health",
+                 env: dict[str, str] | None = None, startup_timeout: float = 600.0) -> None:
+        self.name, self.argv, self.port, self.health_path = name, argv, port, health_path
+        self.env = {**os.environ, **(env or {})}
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+        self.log_file = tempfile.NamedTemporaryFile(prefix=f"compare-{name}-", suffix=".log", delete=False)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def log_tail(self, lines: int = 15) -> str:
+        text = Path(self.log_file.name).read_text(errors="replace").strip().splitlines()
+        return "\n".join(text[-lines:])
+
+    def __enter__(self) -> "Server":
+        log(f"starting {self.name}: {' '.join(self.argv)}")
+        self.proc = subprocess.Popen(self.argv, stdout=self.log_file, stderr=subprocess.STDOUT, env=self.env,
+                                     start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise ServerError(f"{self.name} exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                if httpx.get(self.base_url + self.health_path, timeout=5).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1.0)
+        self.__exit__(None, None, None)
+        raise ServerError(f"{self.name} not healthy after {self.startup_timeout:.0f}s:\n{self.log_tail()}")
+
+    def __exit__(self, *exc) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        for sig, wait in ((signal.SIGTERM, 30), (signal.SIGKILL, 10)):
+            try:
+                os.killpg(self.proc.pid, sig)  # the server's own process group (start_new_session)
+            except ProcessLookupError:
+                return
+            try:
+                self.proc.wait(wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
+
+
+@dataclass(frozen=True)
+class Workload:
+    """One ``twophase bench serve`` random-dataset run."""
+
+    num_prompts: int
+    input_len: int
+    output_len: int
+    concurrency: int
+
+    def describe(self) -> str:
+        return (f"{self.num_prompts} prompts x {self.input_len} in / {self.output_len} out, "
+                f"concurrency {self.concurrency}")
+
+
+def twophase_cli() -> str:
+    """The ``twophase`` console script next to this interpreter."""
+    candidate = Path(sys.executable).with_name("twophase")
+    return str(candidate) if candidate.exists() else "twophase"
+
+
+def bench_serve(base_url: str, workload: Workload, tokenizer: str, model: str | None = None,
+                seed: int = 0, label: str = "compare") -> dict:
+    """Run ``twophase bench serve`` against base_url; returns its result JSON (vLLM's keys)."""
+    with tempfile.TemporaryDirectory(prefix="compare-bench-") as tmp:
+        argv = [twophase_cli(), "bench", "serve", "--base-url", base_url, "--dataset-name", "random",
+                "--num-prompts", str(workload.num_prompts), "--random-input-len", str(workload.input_len),
+                "--random-output-len", str(workload.output_len), "--max-concurrency", str(workload.concurrency),
+                "--ignore-eos", "--tokenizer", tokenizer, "--seed", str(seed), "--disable-tqdm",
+                "--save-result", "--save-detailed", "--result-dir", tmp, "--result-filename", "result.json", "--label", label]
+        if model:
+            argv += ["--model", model]
+        proc = subprocess.run(argv, capture_output=True, text=True)
+        result = Path(tmp) / "result.json"
+        if proc.returncode != 0 or not result.exists():
+            tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-10:])
+            raise RuntimeError(f"bench serve failed (rc {proc.returncode}):\n{tail}")
+        return json.loads(result.read_text())
+
+
+S1_KEYS = ("output_throughput", "p99_ttft_ms", "p99_tpot_ms", "failed")
+
+
+def s1_summary(results: list[dict]) -> dict[str, float]:
+    """Medians over repeats of S1's reported figures."""
+    return {key: median([float(r.get(key, float("nan"))) for r in results]) for key in S1_KEYS}
+
+
+def run_s1(base_url: str, workload: Workload, tokenizer: str, repeats: int, model: str | None = None) -> dict:
+    """``repeats`` S1 runs (after one tiny warm-up run) → medians and the raw per-run figures."""
+    bench_serve(base_url, Workload(2, 16, 4, 2), tokenizer, model, seed=99)  # warm-up: first-request costs
+    runs = []
+    for r in range(repeats):
+        res = bench_serve(base_url, workload, tokenizer, model, seed=r)
+        keys = (*S1_KEYS, "completed", "duration", "median_ttft_ms", "median_tpot_ms", "total_output_tokens")
+        run = {key: res.get(key) for key in keys}
+        run["errors"] = sorted({e for e in res.get("errors") or [] if e})[:3]  # why requests failed, if any
+        runs.append(run)
+        log(f"  S1 run {r + 1}/{repeats}: {res['output_throughput']:.1f} out tok/s, "
+            f"TTFT p99 {res['p99_ttft_ms']:.0f} ms, TPOT p99 {res['p99_tpot_ms']:.1f} ms, failed {res['failed']}")
+    return {**s1_summary(runs), "runs": runs}
