@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from twophase.model.ops.extension import load_kernels
 from twophase.model.ops.quant import quantize_q4_1, quantize_q8_0
-from twophase.model.ops.reference import paged_attention_ref
+from twophase.model.attention import reference_paged_attention
 
 HIDDEN, INTER, LAYERS, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 30, 49152, 9, 3, 64
 LAYER_SHAPES = [(960, HIDDEN), (HIDDEN, HIDDEN), (2 * INTER, HIDDEN), (HIDDEN, INTER)]  # (N, K)
@@ -144,7 +144,7 @@ def bench_attention(kern, bw: float, reps: int) -> None:
             q, k, v, bt, seq, qsl, bs, sc = paged_case(batch, ctx, dtype, q_len)
             out = torch.empty_like(q)
             t_ours = best_time(lambda: kern.paged_attention(out, q, k, v, bt, seq, qsl, bs, sc), reps)
-            t_ref = best_time(lambda: paged_attention_ref(out, q, k, v, bt, seq, qsl, bs, sc), reps)
+            t_ref = best_time(lambda: reference_paged_attention(q, k, v, bt, seq, qsl, bs), reps)
             kv_bytes = 2 * batch * ctx * KV_HEADS * HEAD_DIM * k.element_size()
             name = f"{str(dtype)[6:]} batch={batch} ctx={ctx} q_len={q_len}"
             print(f"{name:36s} {t_ours * 1e3:8.2f}ms {kv_bytes / t_ours / 1e9:6.1f} {t_ref * 1e3:10.2f}ms "

@@ -17,7 +17,7 @@ from twophase.model.ops.quant import (
     quantize_q4_1,
     quantize_q8_0,
 )
-from twophase.model.ops.reference import paged_attention_ref
+from twophase.model.attention import reference_paged_attention
 
 K = extension.load_kernels()
 if K is None:
@@ -147,8 +147,7 @@ def _paged_case(cache_dtype: torch.dtype, block_size: int, seed: int):
 @pytest.mark.parametrize("block_size", [16, 7])
 def test_paged_attention(cache_dtype: torch.dtype, block_size: int) -> None:
     q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(cache_dtype, block_size, seed=block_size)
-    ref = torch.zeros(q.shape, dtype=torch.float64)
-    paged_attention_ref(ref, q.double(), kc.double(), vc.double(), tables, seq_lens, qsl, block_size, scale)
+    ref = reference_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, qsl, block_size)
     out = torch.full_like(q, float("nan"))
     K.paged_attention(out, q, kc, vc, tables, seq_lens, qsl, block_size, scale)
     # fp32 scores/softmax/accumulation (polynomial exp, ~2 ulp) over <= 100 keys; outputs are convex
@@ -159,8 +158,7 @@ def test_paged_attention(cache_dtype: torch.dtype, block_size: int) -> None:
 def test_paged_attention_bf16_q_out() -> None:
     q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(torch.bfloat16, 16, seed=3)
     qb = q.bfloat16()
-    ref = torch.zeros(q.shape, dtype=torch.float64)
-    paged_attention_ref(ref, qb.double(), kc.double(), vc.double(), tables, seq_lens, qsl, 16, scale)
+    ref = reference_paged_attention(qb.double(), kc.double(), vc.double(), tables, seq_lens, qsl, 16)
     out = torch.empty_like(qb)
     K.paged_attention(out, qb, kc, vc, tables, seq_lens, qsl, 16, scale)
     # Output rounded to bf16 (8-bit mantissa): relative error 2**-9 of |out| <= ~3.

@@ -11,7 +11,6 @@ from twophase.outputs import RequestOutput
 from twophase.sampling_params import SamplingParams
 
 Prompt = str | list[int]
-ENGINE_OPTIONS = ("quantization", "attention_backend", "linear_backend", "num_threads")  # EngineConfig fields
 Messages = list[dict]
 
 
@@ -21,7 +20,7 @@ class LLM:
     def __init__(self, model: str, dtype: str = "auto", device: str = "cpu", seed: int = 0, progress: bool = True, **kwargs) -> None:
         cache = _pick(CacheConfig, kwargs)
         scheduler = _pick(SchedulerConfig, kwargs)
-        engine_options = {k: kwargs.pop(k) for k in ENGINE_OPTIONS if k in kwargs}
+        engine_options = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_OPTIONS}
         if kwargs:
             raise TypeError(f"unknown LLM options: {sorted(kwargs)}")
         config = EngineConfig(
@@ -87,6 +86,10 @@ class LLM:
             p.validate()
         token_lists = [self.engine.tokenize_prompt(p) for p in prompts]  # all validated before any is queued
         return [self.engine.add_request(ids, sp).request_id for ids, sp in zip(token_lists, params)]
+
+
+# EngineConfig's own scalar options (the sub-configs are filled from the remaining keyword arguments)
+_ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "dtype", "device", "seed", "cache", "scheduler"}
 
 
 def _pick(cls, kwargs: dict):

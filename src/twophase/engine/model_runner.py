@@ -22,7 +22,6 @@ from twophase.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from twophase.sample import Sampler, SamplingState
 
 log = logging.getLogger(__name__)
-ZEROED_KV_CACHE_LIMIT = 1 << 30  # default KV budget of a backend that needs the cache zeroed (the reference)
 
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -102,16 +101,13 @@ class ModelRunner:
         if budget is None:
             wanted = -(-max_model_len // self.block_size) * max_num_seqs * per_block  # every sequence at full length
             budget = min(wanted, hardware.kv_cache_budget(self.device))
-            if self.backend.needs_zeroed_cache:  # zeroing is paid at start-up in time and resident memory
-                budget = min(budget, ZEROED_KV_CACHE_LIMIT)
         return max(1, budget // per_block)
 
     def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (self.num_blocks * self.block_size, self.model_config.num_key_value_heads, self.model_config.head_dim)
-        # a backend that never reads unwritten slots gets untouched memory: no start-up time spent zeroing it
-        alloc = torch.zeros if self.backend.needs_zeroed_cache else torch.empty
+        # never zeroed (no start-up time, pages touched only when used): no backend reads a slot before it is written
         return [
-            (alloc(shape, dtype=self.dtype, device=self.device), alloc(shape, dtype=self.dtype, device=self.device))
+            (torch.empty(shape, dtype=self.dtype, device=self.device), torch.empty(shape, dtype=self.dtype, device=self.device))
             for _ in range(self.model_config.num_hidden_layers)
         ]
 

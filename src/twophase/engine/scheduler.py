@@ -39,7 +39,6 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._step_id = 0
-        self._runner_request_ids: set[str] = set()  # requests whose state the model runner holds
         self._finished_request_ids: list[str] = []  # ended since the last step; the runner drops their state
 
     # ---- admission -------------------------------------------------------------------------------
@@ -142,8 +141,7 @@ class Scheduler:
         start = request.num_computed_tokens
         is_decode = num_new == 1 and request.num_output_tokens > 0 and start == request.num_tokens - 1
         token_ids = request.token_ids_between(start, start + num_new)
-        if request.request_id not in self._runner_request_ids:
-            self._runner_request_ids.add(request.request_id)
+        if not request.timeline.scheduled:  # first step ever (a preempted request keeps its runner state)
             output.new_requests.append(
                 NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_ids)
             )
@@ -214,8 +212,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.block_manager.free(request)
-        if request_id in self._runner_request_ids:
-            self._runner_request_ids.discard(request_id)
+        if request.timeline.scheduled:  # the runner holds its state
             self._finished_request_ids.append(request_id)
         request.status = status
         request.timeline.finish_time = time.monotonic()

@@ -52,7 +52,6 @@ class AttentionBackend(Protocol):
     """What a faster kernel must implement to replace the reference path."""
 
     name: str
-    needs_zeroed_cache: bool  # True when it reads cache slots no token has written (padding)
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Add backend-specific per-step tensors to ``meta`` (once per step, before the layers run)."""
@@ -81,7 +80,6 @@ class TorchPagedAttention:
     padding mask; each prefill chunk in its own causal SDPA call over its gathered context."""
 
     name = "torch"
-    needs_zeroed_cache = True
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.num_heads = num_heads
@@ -98,6 +96,8 @@ class TorchPagedAttention:
             starts.append(starts[-1] + n)
         decode_rows = []
         for row, (num_q, seq_len) in enumerate(zip(meta.query_lens_list, meta.seq_lens_list)):
+            if num_q == 0:
+                continue
             if num_q == 1:
                 decode_rows.append(row)
                 continue
@@ -116,7 +116,11 @@ class TorchPagedAttention:
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Write new K/V through the slot mapping, then attend: decode rows together, prefill chunks each."""
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        return self.attend(q, k_cache, v_cache, meta)
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """Attention over K/V already in the cache (math in q's dtype: float64 q makes an oracle)."""
+        out = torch.zeros_like(q)  # rows of requests without queries stay 0
         if meta.decode_token_indices is not None:
             self._decode(q, k_cache, v_cache, meta, out)
         for chunk in meta.prefill_chunks:
@@ -147,9 +151,33 @@ class TorchPagedAttention:
 
 
 def context_slots(block_tables: torch.Tensor, seq_lens: torch.Tensor, block_size: int) -> torch.Tensor:
-    """Slots of positions 0..max_len-1 for each row of ``block_tables`` ([rows, max_len]; pads point into block 0)."""
-    positions = torch.arange(int(seq_lens.max()))  # [max_len]
-    return block_tables[:, positions // block_size] * block_size + positions % block_size
+    """Slots of positions 0..max_len-1 for each row of ``block_tables`` ([rows, max_len]). A row shorter than
+    max_len repeats its last position, so padding only ever reads K/V some token wrote (the cache is never
+    zeroed: an unwritten slot may hold NaN bits, and a masked NaN key still poisons SDPA)."""
+    positions = torch.arange(int(seq_lens.max())).expand(len(seq_lens), -1)  # [rows, max_len]
+    positions = torch.minimum(positions, (seq_lens - 1)[:, None])
+    return block_tables.long().gather(1, positions // block_size) * block_size + positions % block_size
+
+
+def reference_paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [S, KVH, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [R, max_blocks] int32
+    seq_lens: torch.Tensor,  # [R] int32
+    query_start_loc: torch.Tensor,  # [R + 1] int32
+    block_size: int,
+) -> torch.Tensor:  # [T, H, D] in q's dtype
+    """``TorchPagedAttention`` on the kernel's raw arguments: the oracle the C++ kernel is tested against."""
+    starts = query_start_loc.tolist()
+    meta = AttentionMetadata(
+        slot_mapping=torch.empty(0, dtype=torch.long), query_start_loc=query_start_loc, seq_lens=seq_lens,
+        block_tables=block_tables, block_size=block_size,
+        query_lens_list=[b - a for a, b in zip(starts, starts[1:])], seq_lens_list=seq_lens.tolist(),
+    )  # fmt: skip
+    backend = TorchPagedAttention(q.shape[1], k_cache.shape[1], q.shape[2])
+    backend.prepare(meta)
+    return backend.attend(q, k_cache, v_cache, meta)
 
 
 class KernelPagedAttention:
@@ -157,7 +185,6 @@ class KernelPagedAttention:
     cache blocks (each byte once per query head group), causal by position, float32 accumulation."""
 
     name = "kernel"
-    needs_zeroed_cache = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernels) -> None:
         self.num_heads = num_heads

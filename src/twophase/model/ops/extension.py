@@ -11,7 +11,7 @@ Kernels (all CPU, OpenMP over torch's intra-op threads, AVX2/FMA with a scalar f
 - ``linear_q8_0(x, qs, d, bias=None)``: qs int8 [N,K], d fp32 [N,K/32]; w = d * q (layouts: ``quant.py``).
 - ``linear_q4_1(x, qs, d, m, bias=None)``: qs uint8 [N,K/2] (GGUF nibble order), d, m fp32 [N,K/32]; w = d*q + m.
 - ``paged_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size, scale)``:
-  writes ``out`` [T,H,D]; see ``paged_attention_ref`` in ``reference.py`` for the exact contract.
+  writes ``out`` [T,H,D]; see ``reference_paged_attention`` in ``model/attention.py`` (the oracle).
 """
 
 from __future__ import annotations
