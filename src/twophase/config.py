@@ -143,5 +143,6 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto | torch | kernel
     linear_backend: str = "auto"  # auto (our C++ kernels when they build) | torch (F.linear, the reference)
     num_threads: int | None = None  # intra-op threads; None: the physical cores
+    speculative_config: Any = None  # None (off), or a dict / JSON string / spec_decode.SpeculativeConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from twophase.request import RequestTimeline
 from twophase.sampling_params import SamplingParams
+from twophase.spec_decode.stats import SpecDecodeStats
 
 
 def step_phase(num_prompt_tokens: int, num_decode_tokens: int) -> str:
@@ -25,6 +26,7 @@ class ScheduledRequest:
     block_ids: list[int]  # the request's whole block table after allocation
     sample: bool  # True when this chunk reaches the last known token: the step yields a new token
     is_prompt: bool  # True when the tokens are prompt tokens (prefill / chunked prefill)
+    spec_token_ids: list[int] = field(default_factory=list)  # proposals: the last len(...) of token_ids
 
 
 @dataclass
@@ -89,6 +91,17 @@ class ModelRunnerOutput:
 
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
+    # rows with proposals (speculative decoding): every emitted token, accepted proposals first
+    verified_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    verified_logprobs: dict[str, list[TokenLogprobs | None]] = field(default_factory=dict)
+
+    def tokens_of(self, request_id: str) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """The tokens a request gained this step (none, one, or several after verification) and their logprobs."""
+        if request_id in self.verified_token_ids:
+            return self.verified_token_ids[request_id], self.verified_logprobs[request_id]
+        if request_id in self.sampled_token_ids:
+            return [self.sampled_token_ids[request_id]], [self.logprobs.get(request_id)]
+        return [], []
 
 
 @dataclass
@@ -127,6 +140,9 @@ class StepRecord:
     num_blocks_total: int
     num_waiting: int = 0
     num_preempted: int = 0
+    num_output_tokens: int = 0  # tokens the step produced (more than its sampled rows with speculation)
+    num_draft_tokens: int = 0  # proposals verified in the step
+    num_accepted_tokens: int = 0  # proposals accepted
 
     @property
     def phase(self) -> str:
@@ -145,6 +161,7 @@ class EngineStats:
     prefix_cache_queries: int  # prompt tokens looked up
     prefix_cache_hits: int  # prompt tokens found cached
     num_preemptions: int
+    spec_decode: SpecDecodeStats | None = None  # cumulative; None when speculation is off
 
     @property
     def kv_cache_usage(self) -> float:

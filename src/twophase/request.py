@@ -33,6 +33,7 @@ class ScheduledEvent:
     num_tokens: int
     is_prompt: bool  # True: prompt tokens (prefill chunk); False: a generated token fed back (decode)
     end_time: float | None = None  # when the step's results were applied
+    num_output_tokens: int = 0  # tokens the step produced for the request (several with speculation)
 
 
 @dataclass
@@ -79,6 +80,9 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.max_output_tokens: int | None = sampling_params.max_tokens  # filled in at admission when None
+        self.spec_token_ids: list[int] = []  # proposals for the next step (speculative decoding)
+        self.num_draft_tokens = 0  # proposals verified over the request's life
+        self.num_accepted_tokens = 0  # of which accepted
         self.timeline = RequestTimeline(arrival_time if arrival_time is not None else time.monotonic())
 
     @property

@@ -18,8 +18,9 @@ class InputBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
-    sample_token_indices: torch.Tensor  # [num_sampled] rows of the hidden states to turn into logits
+    sample_token_indices: torch.Tensor  # [num_logits] rows of the hidden states to turn into logits
     sample_request_ids: list[str]  # the request of each sampled row
+    sample_counts: list[int]  # logits rows of each sampled request: 1, or 1 + proposals (speculative decoding)
 
 
 def build_input_batch(scheduler_output: SchedulerOutput, block_size: int, device: torch.device) -> InputBatch:
@@ -46,13 +47,18 @@ def build_input_batch(scheduler_output: SchedulerOutput, block_size: int, device
         seq_lens_list=seq_lens,
     )
     sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
-    sample_token_indices = torch.tensor([query_start_loc[i + 1] - 1 for i in sample_rows], dtype=torch.long)
+    sample_counts = [len(scheduled[i].spec_token_ids) + 1 for i in sample_rows]
+    sample_token_indices = torch.tensor(
+        [t for i, c in zip(sample_rows, sample_counts) for t in range(query_start_loc[i + 1] - c, query_start_loc[i + 1])],
+        dtype=torch.long,
+    )  # fmt: skip
     return InputBatch(
         input_ids=input_ids.to(device),
         positions=positions.to(device),
         meta=meta,
         sample_token_indices=sample_token_indices.to(device),
         sample_request_ids=[scheduled[i].request_id for i in sample_rows],
+        sample_counts=sample_counts,
     )
 
 

@@ -11,7 +11,7 @@ import logging
 
 import torch
 
-from twophase.config import EngineConfig, ModelConfig
+from twophase.config import ConfigError, EngineConfig, ModelConfig
 from twophase.engine import hardware
 from twophase.engine.model_runner import ModelRunner, RunnerOptions
 from twophase.engine.output_processor import OutputProcessor
@@ -21,6 +21,7 @@ from twophase.loader import open_model_source
 from twophase.outputs import EngineStats, RequestOutput, StepRecord
 from twophase.request import Request, RequestStatus
 from twophase.sampling_params import InvalidRequestError, SamplingParams
+from twophase.spec_decode import NgramProposer, SpeculativeConfig
 from twophase.tokenizer import load_tokenizer
 
 MAX_STEP_RECORDS = 100_000
@@ -73,6 +74,16 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.step_records: collections.deque[StepRecord] = collections.deque(maxlen=MAX_STEP_RECORDS)
         self._ids = itertools.count()
+        self.speculative_config = SpeculativeConfig.parse(config.speculative_config)
+        self.proposer = self._make_proposer(self.speculative_config)
+
+    @staticmethod
+    def _make_proposer(spec: SpeculativeConfig | None) -> NgramProposer | None:
+        if spec is None:
+            return None
+        if spec.method != "ngram":
+            raise ConfigError(f"speculative method {spec.method!r} is not implemented yet; use ngram")
+        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
 
     @property
     def max_model_len(self) -> int:
@@ -158,17 +169,27 @@ class LLMEngine:
             prefix_cache_queries=bm.stats.num_queries,
             prefix_cache_hits=bm.stats.num_hits,
             num_preemptions=self.scheduler.num_preemptions,
+            spec_decode=self.scheduler.spec_stats.copy() if self.proposer else None,
         )
 
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and turn the results into outputs."""
         start = time.monotonic()
+        self._propose()
         scheduler_output = self.scheduler.schedule()
         runner_output = self.model_runner.execute(scheduler_output)
         updates = self.scheduler.update(scheduler_output, runner_output)
         outputs = [self._finish_output(update) for update in updates]
-        self._record_step(scheduler_output, start)
+        self._record_step(scheduler_output, start, updates)
         return outputs
+
+    def _propose(self) -> None:
+        """Speculative decoding: proposals for every running request about to decode."""
+        if self.proposer is None:
+            return
+        for request in self.scheduler.running:
+            decoding = request.num_output_tokens > 0 and request.num_tokens - request.num_computed_tokens == 1
+            request.spec_token_ids = self.proposer.propose_for(request) if decoding else []
 
     def _finish_output(self, update) -> RequestOutput:
         output, stop_hit = self.output_processor.process(update)
@@ -176,7 +197,7 @@ class LLMEngine:
             self.scheduler.finish_request(update.request.request_id, RequestStatus.FINISHED_STOPPED)
         return output
 
-    def _record_step(self, scheduler_output, start: float) -> None:
+    def _record_step(self, scheduler_output, start: float, updates: list) -> None:
         if not scheduler_output.scheduled and not scheduler_output.preempted_request_ids:
             return
         self.step_records.append(
@@ -191,5 +212,8 @@ class LLMEngine:
                 num_blocks_total=self.scheduler.block_manager.num_blocks,
                 num_waiting=len(self.scheduler.waiting),
                 num_preempted=len(scheduler_output.preempted_request_ids),
+                num_output_tokens=sum(len(u.new_token_ids) for u in updates),
+                num_draft_tokens=sum(u.num_draft_tokens for u in updates),
+                num_accepted_tokens=sum(u.num_accepted_tokens for u in updates),
             )
         )

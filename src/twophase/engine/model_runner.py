@@ -7,6 +7,7 @@ ids of requests that ended since the previous step tell it what to forget.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from typing import Iterable
@@ -147,15 +148,43 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, hidden]
         if not batch.sample_request_ids:
             return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[batch.sample_token_indices]).float()  # [num_sampled, vocab]
-        states = [self.requests[rid] for rid in batch.sample_request_ids]
+        logits = self.model.compute_logits(hidden[batch.sample_token_indices]).float()  # [num_logits, vocab]
+        if all(c == 1 for c in batch.sample_counts):
+            return self._sample(logits, batch.sample_request_ids)
+        return self._sample_and_verify(logits, batch.sample_request_ids, batch.sample_counts, scheduler_output)
+
+    def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> ModelRunnerOutput:
+        """One token per request. logits: [num_sampled, vocab]."""
+        states = [self.requests[rid] for rid in request_ids]
         sampled = self.sampler(logits, [s.sampling_state for s in states])
-        output = ModelRunnerOutput(sampled_token_ids=dict(zip(batch.sample_request_ids, sampled.token_ids)))
+        output = ModelRunnerOutput(sampled_token_ids=dict(zip(request_ids, sampled.token_ids)))
         for state, token_id in zip(states, sampled.token_ids):
             state.output_token_ids.append(token_id)
-        for request_id, logprobs in zip(batch.sample_request_ids, sampled.logprobs):
+        for request_id, logprobs in zip(request_ids, sampled.logprobs):
             if logprobs is not None:
                 output.logprobs[request_id] = logprobs
+        return output
+
+    def _sample_and_verify(
+        self, logits: torch.Tensor, request_ids: list[str], counts: list[int], scheduler_output: SchedulerOutput
+    ) -> ModelRunnerOutput:
+        """Rows without proposals are sampled as usual; rows with proposals are verified (speculative decoding).
+        logits: [sum(counts), vocab], ``counts[i]`` rows for request i."""
+        ends = list(itertools.accumulate(counts))
+        plain = [i for i, c in enumerate(counts) if c == 1]
+        spec = [i for i, c in enumerate(counts) if c > 1]
+        output = ModelRunnerOutput()
+        if plain:
+            output = self._sample(logits[[ends[i] - 1 for i in plain]], [request_ids[i] for i in plain])
+        drafts = {s.request_id: s.spec_token_ids for s in scheduler_output.scheduled if s.spec_token_ids}
+        rows = [r for i in spec for r in range(ends[i] - counts[i], ends[i])]
+        spec_ids = [request_ids[i] for i in spec]
+        states = [self.requests[rid] for rid in spec_ids]
+        tokens, logprobs = self.sampler.verify(logits[rows], [s.sampling_state for s in states], [drafts[r] for r in spec_ids])
+        for request_id, state, emitted, lps in zip(spec_ids, states, tokens, logprobs):
+            state.output_token_ids.extend(emitted)
+            output.verified_token_ids[request_id] = emitted
+            output.verified_logprobs[request_id] = lps
         return output
 
     @torch.inference_mode()

@@ -41,13 +41,13 @@ class OutputProcessor:
         (the caller must then finish it)."""
         request = update.request
         state = self.states[request.request_id]
-        state.logprobs.extend(update.new_logprobs)
         new_text, stop_hit = "", False
         if state.detokenizer is not None:
-            new_text = state.detokenizer.add_tokens(update.new_token_ids)
+            new_text = _add_tokens_until_stop(state.detokenizer, update)
             stop_hit = state.detokenizer.stop_reason is not None
             if update.finished or stop_hit:
                 new_text += state.detokenizer.flush()
+        state.logprobs.extend(update.new_logprobs)
         finished = update.finished or stop_hit
         output = self._output(request, update.new_token_ids, new_text, finished, "stop" if stop_hit else None)
         output.new_logprobs = list(update.new_logprobs)
@@ -85,3 +85,31 @@ class OutputProcessor:
             logprobs=(list(state.logprobs) if finished else state.logprobs) if state else [],
             stop_reason=stop_reason,
         )
+
+
+def _add_tokens_until_stop(detokenizer: IncrementalDetokenizer, update: StepUpdate) -> str:
+    """Feed a step's tokens; several (speculative decoding) go one by one, and those after the token that
+    completed a stop string are dropped from the request, exactly as if they had come one step at a time."""
+    tokens = update.new_token_ids
+    if len(tokens) <= 1:
+        return detokenizer.add_tokens(tokens)
+    text = ""
+    for used, token_id in enumerate(tokens, start=1):
+        text += detokenizer.add_tokens([token_id])
+        if detokenizer.stop_reason is not None:
+            _drop_tail(update, used)
+            break
+    return text
+
+
+def _drop_tail(update: StepUpdate, keep: int) -> None:
+    """Keep only the first ``keep`` of the update's tokens, in the update and in the request."""
+    extra = len(update.new_token_ids) - keep
+    if extra <= 0:
+        return
+    request = update.request
+    del request.output_token_ids[-extra:]
+    del request.timeline.token_times[-extra:]
+    request.timeline.scheduled[-1].num_output_tokens -= extra
+    update.new_token_ids = update.new_token_ids[:keep]
+    update.new_logprobs = update.new_logprobs[:keep]

@@ -12,6 +12,7 @@ from twophase.kv_cache.block_manager import BlockManager
 from twophase.outputs import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from twophase.request import Request, RequestStatus, ScheduledEvent
 from twophase.sampling_params import InvalidRequestError
+from twophase.spec_decode.stats import SpecDecodeStats
 
 
 class QueueFullError(RuntimeError):
@@ -26,6 +27,8 @@ class StepUpdate:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprobs]
     finished: bool
+    num_draft_tokens: int = 0  # proposals verified for the request this step (speculative decoding)
+    num_accepted_tokens: int = 0  # of which accepted
 
 
 class Scheduler:
@@ -38,6 +41,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats()  # acceptance of proposals (speculative decoding)
         self._step_id = 0
         self._finished_request_ids: list[str] = []  # ended since the last step; the runner drops their state
 
@@ -100,7 +104,7 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._fit_proposals(request, budget)
             while not self.block_manager.allocate_slots(request, num_new):
                 victim = self.running.pop()
                 self._preempt(victim, output)
@@ -111,6 +115,17 @@ class Scheduler:
                 budget -= num_new
                 index += 1
         return budget
+
+    def _fit_proposals(self, request: Request, budget: int) -> int:
+        """Tokens to schedule for a running request: its uncomputed tokens and its proposals, which are trimmed to
+        the budget and dropped when blocks are short (no request is preempted to make room for proposals)."""
+        num_base = request.num_tokens - request.num_computed_tokens
+        proposals = request.spec_token_ids
+        if proposals:
+            del proposals[max(0, budget - num_base) :]
+            if proposals and not self.block_manager.allocate_slots(request, num_base + len(proposals)):
+                proposals.clear()
+        return min(num_base + len(proposals), budget)
 
     def _schedule_waiting(self, output: SchedulerOutput, budget: int, now: float) -> None:
         """Admit waiting requests FCFS while budget, sequence slots and blocks last. With chunked prefill off a
@@ -139,8 +154,9 @@ class Scheduler:
 
     def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int, now: float) -> None:
         start = request.num_computed_tokens
-        is_decode = num_new == 1 and request.num_output_tokens > 0 and start == request.num_tokens - 1
-        token_ids = request.token_ids_between(start, start + num_new)
+        is_decode = request.num_output_tokens > 0 and start == request.num_tokens - 1
+        proposals = list(request.spec_token_ids)  # scheduled after the request's last known token
+        token_ids = request.token_ids_between(start, start + num_new - len(proposals)) + proposals
         if not request.timeline.scheduled:  # first step ever (a preempted request keeps its runner state)
             output.new_requests.append(
                 NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_ids)
@@ -151,8 +167,9 @@ class Scheduler:
                 token_ids=token_ids,
                 start_position=start,
                 block_ids=self.block_manager.block_ids(request.request_id),
-                sample=start + num_new == request.num_tokens,
+                sample=start + num_new - len(proposals) == request.num_tokens,
                 is_prompt=not is_decode,
+                spec_token_ids=proposals,
             )
         )
         request.timeline.scheduled.append(ScheduledEvent(now, num_new, not is_decode))
@@ -161,6 +178,7 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        request.spec_token_ids = []
         request.timeline.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -175,19 +193,45 @@ class Scheduler:
             request = self.requests.get(scheduled.request_id)
             if request is None or request.finished or request.status != RequestStatus.RUNNING:
                 continue  # aborted or preempted during the step
-            request.num_computed_tokens += len(scheduled.token_ids)
             request.timeline.scheduled[-1].end_time = now
-            token_id = runner_output.sampled_token_ids.get(scheduled.request_id)
-            if not scheduled.sample or token_id is None:
+            request.spec_token_ids = []
+            tokens, logprobs = runner_output.tokens_of(scheduled.request_id)
+            num_drafted = len(scheduled.spec_token_ids)
+            num_accepted = len(tokens) - 1 if num_drafted and tokens else 0
+            # the KV of rejected proposals is rolled back by the counter: those slots are rewritten later
+            request.num_computed_tokens += len(scheduled.token_ids) - (num_drafted - num_accepted)
+            if num_drafted:
+                self._observe_proposals(request, num_drafted, num_accepted)
+            if not scheduled.sample or not tokens:
                 continue
+            update = self._append_tokens(request, tokens, logprobs, now)
+            update.num_draft_tokens, update.num_accepted_tokens = num_drafted, num_accepted
+            updates.append(update)
+        return updates
+
+    def _append_tokens(self, request: Request, tokens: list[int], logprobs: list, now: float) -> StepUpdate:
+        """Append a step's tokens one by one, stopping at the first that ends the request."""
+        new_tokens, new_logprobs, status = [], [], None
+        for token_id, token_logprobs in zip(tokens, logprobs):
             request.output_token_ids.append(token_id)
             request.timeline.token_times.append(now)
-            logprobs = runner_output.logprobs.get(scheduled.request_id)
+            new_tokens.append(token_id)
+            if token_logprobs:
+                new_logprobs.append(token_logprobs)
             status = self._stop_status(request, token_id)
             if status is not None:
-                self.finish_request(request.request_id, status)
-            updates.append(StepUpdate(request, [token_id], [logprobs] if logprobs else [], status is not None))
-        return updates
+                break
+        request.timeline.scheduled[-1].num_output_tokens = len(new_tokens)
+        if status is not None:
+            self.finish_request(request.request_id, status)
+        return StepUpdate(request, new_tokens, new_logprobs, status is not None)
+
+    def _observe_proposals(self, request: Request, num_drafted: int, num_accepted: int) -> None:
+        """Count a verified proposal and free blocks that only held rejected proposals."""
+        self.spec_stats.observe(num_drafted, num_accepted)
+        request.num_draft_tokens += num_drafted
+        request.num_accepted_tokens += num_accepted
+        self.block_manager.trim(request, request.num_computed_tokens + 1)
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:
         params = request.sampling_params
@@ -231,6 +275,10 @@ class Scheduler:
         assert len(self.running) <= self.config.max_num_seqs
         for request in self.running:
             assert request.status == RequestStatus.RUNNING
+            assert request.num_computed_tokens <= request.num_tokens
+            assert len(self.block_manager.block_ids(request.request_id)) >= self.block_manager.num_blocks_for(
+                request.num_computed_tokens
+            )
         for request in self.waiting:
             assert request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
             assert not self.block_manager.block_ids(request.request_id), "waiting request holds blocks"

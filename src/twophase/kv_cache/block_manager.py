@@ -98,8 +98,17 @@ class BlockManager:
         self.num_cached_blocks.setdefault(request.request_id, 0)
         if new_computed_blocks:
             self.num_cached_blocks[request.request_id] = len(blocks) - num_fresh
-        self._cache_full_blocks(request, request.num_computed_tokens + num_new_tokens)
+        # only blocks of known tokens are cached: proposals (speculative decoding) may be rejected
+        self._cache_full_blocks(request, min(request.num_computed_tokens + num_new_tokens, request.num_tokens))
         return True
+
+    def trim(self, request: Request, num_tokens: int) -> None:
+        """Free the request's blocks past those holding ``num_tokens`` tokens (slots of rejected proposals)."""
+        blocks = self.req_to_blocks.get(request.request_id)
+        keep = self.num_blocks_for(num_tokens)
+        if blocks and len(blocks) > keep:
+            self.pool.free_blocks(reversed(blocks[keep:]))
+            del blocks[keep:]
 
     def free(self, request: Request) -> None:
         """Release every block of the request, tail first so tails are evicted before shared prefixes."""

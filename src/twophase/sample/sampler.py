@@ -156,9 +156,7 @@ class Sampler:
         if logits.shape[0] != len(states):
             raise ValueError(f"{logits.shape[0]} logits rows for {len(states)} states")
         raw_logits = logits[:, : self.vocab_size].float()  # [num_reqs, vocab]
-        logits = self._apply_penalties(raw_logits, states)  # [num_reqs, vocab], a copy when changed
-        logits = self._apply_bias(logits, states, copy=logits is raw_logits)
-        logits = self._apply_masks(logits, states, copy=logits is raw_logits)
+        logits = self.process_logits(raw_logits, states)  # [num_reqs, vocab]
         token_ids = logits.argmax(dim=-1)  # [num_reqs]; final for greedy rows
         sample_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if sample_rows:
@@ -167,6 +165,24 @@ class Sampler:
             token_ids[rows] = sampled
         token_id_list = token_ids.tolist()
         return SamplerOutput(token_id_list, self._logprobs(raw_logits, token_ids, states))
+
+    def process_logits(self, raw_logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """Penalties, bias and masks (steps 1-4) of ``raw_logits`` [n, vocab]; a copy when anything changed."""
+        logits = self._apply_penalties(raw_logits, states)  # [n, vocab], a copy when changed
+        logits = self._apply_bias(logits, states, copy=logits is raw_logits)
+        return self._apply_masks(logits, states, copy=logits is raw_logits)
+
+    def verify(
+        self, logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]]
+    ) -> tuple[list[list[int]], list[list[TokenLogprobs | None]]]:
+        """Accept or reject proposed tokens (speculative decoding); see ``sample/rejection.py``.
+
+        ``logits``: [sum(len(d) + 1), vocab] — for each request, the rows at its last real token and at each of its
+        proposals, in order. Returns each request's new tokens (accepted proposals, then one token of the target's)
+        and their logprobs."""
+        from twophase.sample.rejection import verify_drafts
+
+        return verify_drafts(self, logits, states, drafts)
 
     def _apply_penalties(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Repetition, frequency and presence penalties. logits: [num_reqs, vocab]."""
@@ -222,6 +238,13 @@ class Sampler:
 
     def _sample(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Temperature, top-k, top-p, min-p, then the exponential race. logits: [n, vocab] → [n] ids."""
+        probs = self.probabilities(logits, states)  # [n, vocab]
+        q = self._exponential(probs, states)  # [n, vocab]
+        return (probs / q).argmax(dim=-1)  # [n]
+
+    def probabilities(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
+        """The distribution a sampled row draws from: temperature, top-k, top-p, min-p applied to processed
+        ``logits`` [n, vocab]. Returns [n, vocab], not renormalised after min-p (the race needs only ratios)."""
         device, vocab = logits.device, logits.shape[1]
         params = [s.params for s in states]
         logits = logits / _column([p.temperature for p in params], device)  # [n, vocab]
@@ -234,8 +257,7 @@ class Sampler:
         if any(m > 0.0 for m in min_p):
             threshold = _column(min_p, device) * probs.amax(dim=-1, keepdim=True)  # [n, 1]
             probs = probs.masked_fill(probs < threshold, 0.0)  # ratio test: no need to renormalise
-        q = self._exponential(probs, states)  # [n, vocab]
-        return (probs / q).argmax(dim=-1)  # [n]
+        return probs
 
     def _exponential(self, probs: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
         """Exponential(1) noise, each seeded row from its own generator. Returns [n, vocab]."""
