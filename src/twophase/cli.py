@@ -48,6 +48,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--no-chunked-prefill", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--speculative-config", default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (vLLM spelling; off by default)',
+    )  # fmt: skip
 
 
 def parse_bytes(text: str) -> int:
@@ -63,6 +68,7 @@ def parse_bytes(text: str) -> int:
 def engine_config_from_args(args: argparse.Namespace):
     """EngineConfig from the shared engine options."""
     from twophase.config import CacheConfig, EngineConfig, SchedulerConfig
+    from twophase.spec_decode import SpeculativeConfig
 
     cache = CacheConfig(
         block_size=args.block_size,
@@ -80,6 +86,7 @@ def engine_config_from_args(args: argparse.Namespace):
         model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, cache=cache, scheduler=scheduler,
         quantization=args.quantization, attention_backend=args.attention_backend,
         linear_backend=args.linear_backend, num_threads=args.threads,
+        speculative_config=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
     )  # fmt: skip
 
 
@@ -188,10 +195,17 @@ def stream_to_terminal(llm, prompt, params: SamplingParams) -> str:
     decode_rate = (m.num_output_tokens - 1) / m.decode_time if m.decode_time else float("nan")
     print(
         f"[prompt {len(final.prompt_token_ids)} tok, cached {final.num_cached_tokens} | TTFT {m.ttft * 1000:.1f} ms | "
-        f"decode {m.num_output_tokens} tok at {decode_rate:.1f} tok/s | finish {final.finish_reason}]",
+        f"decode {m.num_output_tokens} tok at {decode_rate:.1f} tok/s{_spec_summary(m)} | finish {final.finish_reason}]",
         file=sys.stderr,
     )
     return final.text
+
+
+def _spec_summary(m) -> str:
+    """' | spec acceptance 62% (mean accepted length 2.9)' when proposals were verified, else ''."""
+    if m.acceptance_rate is None:
+        return ""
+    return f" | spec acceptance {m.acceptance_rate:.0%} (mean accepted length {m.mean_accepted_length:.2f})"
 
 
 def main(argv: list[str] | None = None) -> int:

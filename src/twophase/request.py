@@ -46,6 +46,9 @@ class RequestTimeline:
     finish_time: float | None = None
     finish_reason: str | None = None
     num_preemptions: int = 0
+    num_drafts: int = 0  # steps that verified proposals (speculative decoding)
+    num_draft_tokens: int = 0  # proposals verified
+    num_accepted_tokens: int = 0  # proposals accepted
 
     @property
     def first_scheduled_time(self) -> float | None:
@@ -81,8 +84,6 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.max_output_tokens: int | None = sampling_params.max_tokens  # filled in at admission when None
         self.spec_token_ids: list[int] = []  # proposals for the next step (speculative decoding)
-        self.num_draft_tokens = 0  # proposals verified over the request's life
-        self.num_accepted_tokens = 0  # of which accepted
         self.timeline = RequestTimeline(arrival_time if arrival_time is not None else time.monotonic())
 
     @property

@@ -229,8 +229,10 @@ class Scheduler:
     def _observe_proposals(self, request: Request, num_drafted: int, num_accepted: int) -> None:
         """Count a verified proposal and free blocks that only held rejected proposals."""
         self.spec_stats.observe(num_drafted, num_accepted)
-        request.num_draft_tokens += num_drafted
-        request.num_accepted_tokens += num_accepted
+        timeline = request.timeline
+        timeline.num_drafts += 1
+        timeline.num_draft_tokens += num_drafted
+        timeline.num_accepted_tokens += num_accepted
         self.block_manager.trim(request, request.num_computed_tokens + 1)
 
     def _stop_status(self, request: Request, token_id: int) -> RequestStatus | None:

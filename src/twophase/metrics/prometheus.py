@@ -67,6 +67,15 @@ class PrometheusStatLogger:
         self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", labels, registry=r)
         self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting", labels, registry=r)
         self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV blocks in use (0..1)", labels, registry=r)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Verified proposals (speculative decoding)",
+                                   labels, registry=r)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Proposed tokens verified", labels,
+                                         registry=r)
+        self.spec_accepted = Counter("vllm:spec_decode_num_accepted_tokens", "Proposed tokens accepted", labels,
+                                     registry=r)
+        self.spec_accepted_per_pos = Counter("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                             "Proposed tokens accepted, by position", labels + ["position"],
+                                             registry=r)
         h = self._histogram
         self.step_prefill = h("twophase:step_prefill_tokens", "Prompt tokens per step", STEP_TOKEN_BUCKETS, labels)
         self.step_decode = h("twophase:step_decode_tokens", "Decode tokens per step", STEP_TOKEN_BUCKETS, labels)
@@ -116,7 +125,22 @@ class PrometheusStatLogger:
         for counter, delta in deltas:
             if delta > 0:
                 counter.labels(m).inc(delta)
+        self._record_spec(stats, last)
         self._last_stats = stats
+
+    def _record_spec(self, stats: EngineStats, last: EngineStats | None) -> None:
+        spec, before = stats.spec_decode, last.spec_decode if last else None
+        if spec is None:
+            return
+        m = self.model_name
+        pairs = ((self.spec_drafts, spec.num_drafts, before.num_drafts if before else 0),
+                 (self.spec_draft_tokens, spec.num_draft_tokens, before.num_draft_tokens if before else 0),
+                 (self.spec_accepted, spec.num_accepted_tokens, before.num_accepted_tokens if before else 0))
+        for counter, now, then in pairs:
+            counter.labels(m).inc(now - then)  # also exposes 0 from the first step
+        old = before.num_accepted_tokens_per_pos if before else []
+        for pos, count in enumerate(spec.num_accepted_tokens_per_pos):
+            self.spec_accepted_per_pos.labels(m, str(pos)).inc(count - (old[pos] if pos < len(old) else 0))
 
     def exposition(self) -> bytes:
         """The text exposition format of this registry."""

@@ -74,6 +74,9 @@ def request_to_json(request_id: str, timeline: RequestTimeline, num_prompt_token
         "num_prompt_tokens": num_prompt_tokens,
         "num_cached_tokens": num_cached_tokens,
         "num_preemptions": timeline.num_preemptions,
+        "num_drafts": timeline.num_drafts,
+        "num_draft_tokens": timeline.num_draft_tokens,
+        "num_accepted_tokens": timeline.num_accepted_tokens,
     }
 
 
@@ -92,10 +95,14 @@ def timeline_from_json(d: dict) -> RequestTimeline:
     """A RequestTimeline from its records-schema dict."""
     return RequestTimeline(
         arrival_time=float(d["arrival_time"]),
-        scheduled=[ScheduledEvent(e["time"], e["num_tokens"], e["is_prompt"], e.get("end_time")) for e in d["scheduled"]],
+        scheduled=[ScheduledEvent(e["time"], e["num_tokens"], e["is_prompt"], e.get("end_time"), e.get("num_output_tokens", 0))
+                   for e in d["scheduled"]],
         token_times=[float(t) for t in d.get("token_times", [])],
         finish_time=d.get("finish_time"),
         finish_reason=d.get("finish_reason"),
         num_preemptions=int(d.get("num_preemptions", 0)),
+        num_drafts=int(d.get("num_drafts", 0)),
+        num_draft_tokens=int(d.get("num_draft_tokens", 0)),
+        num_accepted_tokens=int(d.get("num_accepted_tokens", 0)),
     )
 

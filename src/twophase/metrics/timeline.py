@@ -21,6 +21,8 @@ class RequestMetrics:
     runnable_waiting_time: float | None = None  # admitted but not in a step (interference, preemption)
     num_output_tokens: int = 0
     num_preemptions: int = 0
+    acceptance_rate: float | None = None  # speculative decoding: accepted / proposed tokens
+    mean_accepted_length: float | None = None  # tokens per verifying step (1 + accepted per draft)
 
 
 def request_metrics(timeline: RequestTimeline) -> RequestMetrics:
@@ -43,6 +45,8 @@ def request_metrics(timeline: RequestTimeline) -> RequestMetrics:
         runnable_waiting_time=_runnable_waiting(timeline, last),
         num_output_tokens=len(tokens),
         num_preemptions=timeline.num_preemptions,
+        acceptance_rate=timeline.num_accepted_tokens / timeline.num_draft_tokens if timeline.num_draft_tokens else None,
+        mean_accepted_length=1.0 + timeline.num_accepted_tokens / timeline.num_drafts if timeline.num_drafts else None,
     )
 
 

@@ -39,13 +39,14 @@ def verify_drafts(
     processed = sampler.process_logits(raw, row_states)  # [N, vocab]
     starts = [0, *itertools.accumulate(counts)]
     argmax = processed.argmax(dim=-1).tolist()  # [N]
-    tokens: list[list[int]] = []
-    for i, (state, draft) in enumerate(zip(states, drafts)):
-        rows = processed[starts[i] : starts[i + 1]]  # [k + 1, vocab]
-        if state.params.greedy:
-            tokens.append(_accept_greedy(draft, argmax[starts[i] : starts[i + 1]]))
-        else:
-            tokens.append(_accept_sampled(sampler, rows, state, draft))
+    tokens: list[list[int]] = [
+        _accept_greedy(draft, argmax[starts[i] : starts[i + 1]]) if state.params.greedy else []
+        for i, (state, draft) in enumerate(zip(states, drafts))
+    ]
+    sampled = [i for i, s in enumerate(states) if not s.params.greedy]
+    if sampled:
+        _accept_sampled(sampler, processed, row_states, starts, [states[i] for i in sampled],
+                        [drafts[i] for i in sampled], sampled, tokens)  # fmt: skip
     return tokens, _logprobs(sampler, raw, row_states, starts, tokens)
 
 
@@ -57,21 +58,44 @@ def _accept_greedy(draft: list[int], targets: list[int]) -> list[int]:
     return draft[:num_accepted] + [targets[num_accepted]]
 
 
-def _accept_sampled(sampler: "Sampler", rows: torch.Tensor, state: "SamplingState", draft: list[int]) -> list[int]:
-    """Rejection sampling against point-mass proposals. rows: [k + 1, vocab] processed logits."""
-    probs = sampler.probabilities(rows, [state] * rows.shape[0])  # [k + 1, vocab]
+def _accept_sampled(
+    sampler: "Sampler", processed: torch.Tensor, row_states: list["SamplingState"], starts: list[int],
+    states: list["SamplingState"], drafts: list[list[int]], which: list[int], tokens: list[list[int]],
+) -> None:  # fmt: skip
+    """Rejection sampling against point-mass proposals for the sampled requests ``which`` (all at once);
+    fills ``tokens[which[j]]``. processed: [N, vocab] processed logits of every row."""
+    device = processed.device
+    rows = [r for i in which for r in range(starts[i], starts[i + 1])]
+    index = {r: j for j, r in enumerate(rows)}
+    probs = sampler.probabilities(processed[rows], [row_states[r] for r in rows])  # [M, vocab]
     probs = probs / probs.sum(dim=-1, keepdim=True)  # min-p leaves rows unnormalised
-    generator = state.generator or sampler.generator
-    k = len(draft)
-    uniform = torch.rand(k, generator=generator, device=probs.device)  # [k]
-    p_draft = probs[torch.arange(k, device=probs.device), torch.tensor(draft, dtype=torch.long, device=probs.device)]
-    accepted = (uniform < p_draft).tolist()  # [k]: accept d_j with probability p_j(d_j) / 1
-    num_accepted = accepted.index(False) if False in accepted else k
-    target = probs[num_accepted].clone()  # [vocab]
-    if num_accepted < k:
-        target[draft[num_accepted]] = 0.0  # residual max(0, p - q) for a point mass q
-    noise = torch.empty_like(target).exponential_(generator=generator).clamp_min_(1e-10)  # [vocab]
-    return draft[:num_accepted] + [int((target / noise).argmax())]
+    draft_rows = [index[starts[i] + j] for i, d in zip(which, drafts) for j in range(len(d))]
+    draft_ids = [t for d in drafts for t in d]
+    p_draft = probs[torch.tensor(draft_rows, device=device), torch.tensor(draft_ids, device=device)]  # [D]
+    accepted = (_uniform(sampler, states, drafts, device) < p_draft).tolist()  # [D]: accept with p(d) / 1
+    final_rows, residual_ids, offset = [], [], 0
+    for i, draft in zip(which, drafts):
+        verdicts = accepted[offset : offset + len(draft)]
+        offset += len(draft)
+        num_accepted = verdicts.index(False) if False in verdicts else len(draft)
+        tokens[i] = draft[:num_accepted]
+        final_rows.append(index[starts[i] + num_accepted])
+        residual_ids.append(draft[num_accepted] if num_accepted < len(draft) else -1)
+    target = probs[final_rows]  # [R, vocab] (a copy)
+    rejected = [j for j, t in enumerate(residual_ids) if t >= 0]
+    if rejected:  # residual max(0, p - q) for a point mass q: p without the rejected proposal
+        target[rejected, [residual_ids[j] for j in rejected]] = 0.0
+    noise = sampler._exponential(target, states)  # [R, vocab], seeded rows from their own generators
+    for i, token_id in zip(which, (target / noise).argmax(dim=-1).tolist()):
+        tokens[i].append(token_id)
+
+
+def _uniform(sampler: "Sampler", states: list["SamplingState"], drafts: list[list[int]], device) -> torch.Tensor:
+    """One U(0, 1) per proposal, a seeded request's from its own generator. Returns [D]."""
+    if all(s.generator is None for s in states):
+        return torch.rand(sum(len(d) for d in drafts), generator=sampler.generator, device=device)
+    return torch.cat([torch.rand(len(d), generator=s.generator or sampler.generator, device=device)
+                      for s, d in zip(states, drafts)])  # fmt: skip
 
 
 def _logprobs(

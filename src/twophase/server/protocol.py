@@ -200,6 +200,10 @@ class Timings(BaseModel):
     cached_n: int = 0
     predicted_n: int = 0
     predicted_per_second: float | None = None
+    draft_n: int | None = None  # speculative decoding: proposals verified (absent when off)
+    draft_accepted_n: int | None = None
+    acceptance_rate: float | None = None
+    mean_accepted_length: float | None = None
 
 
 class PromptTokensDetails(BaseModel):

@@ -22,7 +22,14 @@ def timings_of(outputs: list[RequestOutput], usage: Usage) -> Timings:
     last = max(outputs, key=lambda o: o.timeline.finish_time or 0.0)
     m = request_metrics(last.timeline)
     rate = (m.num_output_tokens - 1) / m.decode_time if m.decode_time else None
-    return Timings(
+    drafted = sum(o.timeline.num_draft_tokens for o in outputs)
+    accepted = sum(o.timeline.num_accepted_tokens for o in outputs)
+    num_drafts = sum(o.timeline.num_drafts for o in outputs)
+    spec = {} if not num_drafts else dict(
+        draft_n=drafted, draft_accepted_n=accepted, acceptance_rate=round(accepted / drafted, 4),
+        mean_accepted_length=round(1.0 + accepted / num_drafts, 4),
+    )  # fmt: skip
+    return Timings(**spec,
         queue_ms=_ms(m.queue_time), prefill_ms=_ms(m.prefill_time), decode_ms=_ms(m.decode_time),
         ttft_ms=_ms(m.ttft), tpot_ms=_ms(m.tpot), e2e_ms=_ms(m.e2e), prompt_n=usage.prompt_tokens,
         cached_n=usage.prompt_tokens_details.cached_tokens, predicted_n=usage.completion_tokens,
