@@ -172,24 +172,31 @@ def test_requests_that_cannot_be_verified_exactly_run_without_speculation(tiny_l
     assert can_speculate(SamplingParams(min_tokens=4, max_tokens=8), 4)
 
 
-def test_default_model_repeat_the_passage(default_model):
-    """One load of the real model; the reference is the same engine with its proposer off."""
+@pytest.fixture(scope="module")
+def default_llm_and_reference(default_model):
+    """One load of the real model with ngram speculation; the reference is the same engine with its proposer off."""
     passage = "The quick brown fox jumps over the lazy dog. It was a sunny day and the fox was happy."
-    messages = [{"role": "user", "content": f"Repeat this passage exactly: {passage}"}]
-    params = SamplingParams(temperature=0, max_tokens=24)
-    llm = LLM(str(default_model), dtype="float32", progress=False, num_blocks=64, max_num_batched_tokens=32,
+    llm = LLM(str(default_model), dtype="float32", progress=False, num_blocks=64,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2,
                                   "prompt_lookup_max": 4})  # fmt: skip
-    prompt = llm.render_chat(messages)
-    proposer = llm.engine.proposer
-    llm.engine.proposer = None
-    expected = run(llm, [prompt], params)[0]
-    for k in (1, 3, 5):
-        llm.engine.proposer = NgramProposer(k, 2, 4)
-        got = run(llm, [prompt], params)[0]
-        assert got.token_ids == expected.token_ids and got.text == expected.text
-        assert got.timeline.num_accepted_tokens > 0  # the answer repeats the prompt: proposals hit
-    assert isinstance(proposer, NgramProposer) and proposer.k == 3
+    assert isinstance(llm.engine.proposer, NgramProposer) and llm.engine.proposer.k == 3
+    prompt = llm.render_chat([{"role": "user", "content": f"Repeat this passage exactly: {passage}"}])
+    proposer, llm.engine.proposer = llm.engine.proposer, None
+    expected = run(llm, [prompt], DEFAULT_MODEL_PARAMS)[0]
+    llm.engine.proposer = proposer
+    return llm, prompt, expected
+
+
+DEFAULT_MODEL_PARAMS = SamplingParams(temperature=0, max_tokens=16)
+
+
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 3, pytest.param(5, marks=pytest.mark.slow)])
+def test_default_model_repeat_the_passage(default_llm_and_reference, k):
+    llm, prompt, expected = default_llm_and_reference
+    llm.engine.proposer = NgramProposer(k, 2, 4)
+    got = run(llm, [prompt], DEFAULT_MODEL_PARAMS)[0]
+    assert got.token_ids == expected.token_ids and got.text == expected.text
+    assert got.timeline.num_accepted_tokens > 0  # the answer repeats the prompt: proposals hit
 
 
 # ---- rejection sampling ----------------------------------------------------------------------------------------
