@@ -60,6 +60,9 @@ class KnowsTheAnswer:
     def __init__(self, k: int, reference: dict[tuple[int, ...], list[int]], wrong_every: int = 3) -> None:
         self.k, self.reference, self.wrong_every, self.calls = k, reference, wrong_every, 0
 
+    def propose_all(self, requests) -> dict[str, list[int]]:
+        return {r.request_id: self.propose_for(r) for r in requests}
+
     def propose_for(self, request) -> list[int]:
         k = max_proposal_len(request, self.k)
         if k == 0 or not can_speculate(request.sampling_params, request.num_output_tokens):
@@ -197,6 +200,41 @@ def test_default_model_repeat_the_passage(default_llm_and_reference, k):
     got = run(llm, [prompt], DEFAULT_MODEL_PARAMS)[0]
     assert got.token_ids == expected.token_ids and got.text == expected.text
     assert got.timeline.num_accepted_tokens > 0  # the answer repeats the prompt: proposals hit
+
+
+# ---- draft model ---------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def random_draft_dir(tmp_path_factory):
+    """Another random tiny Llama (one layer, other weights) with the same tokenizer."""
+    from tiny_models import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-draft"), initializer_range=0.3, seed=5, num_hidden_layers=1)
+
+
+def draft(model_dir, k: int) -> dict:
+    return {"method": "draft_model", "model": str(model_dir), "num_speculative_tokens": k}
+
+
+def test_a_draft_identical_to_the_target_accepts_every_proposal(tiny_llama_dir, reference):
+    llm = make_llm(tiny_llama_dir, draft(tiny_llama_dir, 3))
+    outputs = run(llm, PROMPTS, GREEDY)
+    assert [o.token_ids for o in outputs] == reference
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.acceptance_rate == 1.0
+
+
+@pytest.mark.parametrize("k", [pytest.param(1, marks=pytest.mark.slow), 3, pytest.param(5, marks=pytest.mark.slow)])
+def test_a_random_draft_still_gives_identical_greedy_output(tiny_llama_dir, random_draft_dir, reference, k):
+    llm = make_llm(tiny_llama_dir, draft(random_draft_dir, k), num_blocks=10, max_num_batched_tokens=7)
+    outputs = run(llm, PROMPTS, GREEDY)  # chunked prefill, prefix caching and forced preemption in the mix
+    assert [o.token_ids for o in outputs] == reference
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
+    again = [run(llm, [p], GREEDY)[0] for p in PROMPTS[:2]]  # prefix-cache hits; the draft recomputes
+    assert [o.token_ids for o in again] == reference[:2]
+    proposer = llm.engine.proposer
+    proposer.propose_all([])  # nothing runs: the draft frees every request's blocks
+    assert proposer.block_manager.num_blocks_in_use == 0 and not proposer.states
 
 
 # ---- rejection sampling ----------------------------------------------------------------------------------------

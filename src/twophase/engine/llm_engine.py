@@ -75,15 +75,20 @@ class LLMEngine:
         self.step_records: collections.deque[StepRecord] = collections.deque(maxlen=MAX_STEP_RECORDS)
         self._ids = itertools.count()
         self.speculative_config = SpeculativeConfig.parse(config.speculative_config)
-        self.proposer = self._make_proposer(self.speculative_config)
+        self.proposer = self._make_proposer(self.speculative_config, max_model_len, options)
 
-    @staticmethod
-    def _make_proposer(spec: SpeculativeConfig | None) -> NgramProposer | None:
+    def _make_proposer(self, spec: SpeculativeConfig | None, max_model_len: int, options: RunnerOptions):
+        """None (speculation off), an NgramProposer, or a DraftModelProposer with its own runner and KV cache."""
         if spec is None:
             return None
-        if spec.method != "ngram":
-            raise ConfigError(f"speculative method {spec.method!r} is not implemented yet; use ngram")
-        return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        if spec.method == "ngram":
+            return NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max)
+        from twophase.spec_decode.draft_model import DraftModelProposer, build_draft_runner
+
+        runner = build_draft_runner(spec.model, self.model_runner, self.config.cache, max_model_len, self.dtype,
+                                    self.device, options)  # fmt: skip
+        log.info("draft model: %s", runner.describe())
+        return DraftModelProposer(runner, spec.num_speculative_tokens, self.model_config.vocab_size)
 
     @property
     def max_model_len(self) -> int:
@@ -187,9 +192,11 @@ class LLMEngine:
         """Speculative decoding: proposals for every running request about to decode."""
         if self.proposer is None:
             return
-        for request in self.scheduler.running:
-            decoding = request.num_output_tokens > 0 and request.num_tokens - request.num_computed_tokens == 1
-            request.spec_token_ids = self.proposer.propose_for(request) if decoding else []
+        running = self.scheduler.running
+        decoding = [r for r in running if r.num_output_tokens > 0 and r.num_tokens - r.num_computed_tokens == 1]
+        proposals = self.proposer.propose_all(decoding)
+        for request in running:
+            request.spec_token_ids = proposals.get(request.request_id, [])
 
     def _finish_output(self, update) -> RequestOutput:
         output, stop_hit = self.output_processor.process(update)

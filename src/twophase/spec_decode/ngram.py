@@ -52,6 +52,10 @@ class NgramProposer:
                 return tokens[start : start + k].tolist()
         return []
 
+    def propose_all(self, requests: list[Request]) -> dict[str, list[int]]:
+        """Proposals for each of the requests (all about to decode), by request id."""
+        return {r.request_id: self.propose_for(r) for r in requests}
+
     def propose_for(self, request: Request) -> list[int]:
         """Proposals for a running request about to decode (empty when it may not speculate)."""
         k = max_proposal_len(request, self.k)
