@@ -270,6 +270,37 @@ def test_rejection_sampling_matches_the_target_distribution(options):
     assert len(second) > 300
 
 
+def test_sampled_generation_with_speculation_has_the_target_distribution(tiny_llama_dir):
+    """End to end: 5 allowed tokens, a prompt cycling through them (ngram proposals hit); the 2nd and 3rd output
+    tokens of many seeded requests, with and without speculation, pass a two-sample chi-square test (0.001)."""
+    allowed = [20, 53, 136, 202, 250]
+    prompt = allowed * 4
+    num = 400
+
+    def sample(spec: dict | None, seed0: int) -> list[list[int]]:
+        llm = make_llm(tiny_llama_dir, spec, max_num_seqs=64, num_blocks=1024)
+        params = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, allowed_token_ids=allowed,
+                                 seed=seed0 + i) for i in range(num)]  # fmt: skip
+        engine = llm.engine
+        ids = [engine.add_request(prompt, p).request_id for p in params]
+        finals = {}
+        while engine.has_unfinished_requests():
+            finals.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+            engine.scheduler.check_invariants()
+        if spec is not None:
+            assert engine.scheduler.spec_stats.num_accepted_tokens > 0
+        return [finals[i] for i in ids]
+
+    plain, spec = sample(None, 0), sample(ngram(2), 10_000)
+    for position in (1, 2):
+        a = [sum(1 for t in plain if t[position] == v) for v in allowed]
+        b = [sum(1 for t in spec if t[position] == v) for v in allowed]
+        total = [x + y for x, y in zip(a, b)]
+        cells = [(x, t / 2) for x, t in zip(a + b, total + total) if t > 0]
+        statistic = sum((observed - expected) ** 2 / expected for observed, expected in cells)
+        assert statistic < CHI2_CRITICAL_0_001[sum(1 for t in total if t > 0) - 1], (position, a, b)
+
+
 def test_greedy_verification_and_seeded_reproducibility():
     sampler = Sampler(8)
     logits = torch.full((4, 8), -5.0)
