@@ -89,7 +89,6 @@ class DraftModelProposer:
         for rid, tokens in feeds.items():
             state = self.states[rid]
             shadow = state.shadow
-            shadow.output_token_ids = []  # the draft's blocks are sized from its counter alone
             if not self.block_manager.allocate_slots(shadow, len(tokens)):
                 continue  # the draft cache is full: this request gets fewer proposals
             scheduled.append(ScheduledRequest(rid, list(tokens), shadow.num_computed_tokens,
