@@ -132,6 +132,19 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (see ``distributed/``): ranks, hosts and where they meet. ``master_port`` 0 picks a
+    free port (one host only); ``timeout_s`` bounds a collective, so a hung worker stops the engine."""
+
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    timeout_s: float = 60.0
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, passed as sub-configs."""
 
@@ -145,3 +158,4 @@ class EngineConfig:
     num_threads: int | None = None  # intra-op threads; None: the physical cores
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)

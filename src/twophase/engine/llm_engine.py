@@ -41,6 +41,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtypes[name]
 
 
+def build_model_runner(config: EngineConfig, source, tp=None, progress: bool = True) -> ModelRunner:
+    """The model runner of ``config`` for an opened model source (this rank's shard under ``tp``)."""
+    from twophase.distributed.launch import threads_per_rank
+
+    device = torch.device(config.device)
+    if device.type == "cpu":
+        torch.set_num_threads(threads_per_rank(config))
+    torch.manual_seed(config.seed)
+    max_model_len = min(config.scheduler.max_model_len, source.config.max_position_embeddings)
+    options = RunnerOptions(config.quantization, config.attention_backend, config.linear_backend, config.scheduler.max_num_seqs)
+    return ModelRunner(
+        source.config, source.iter_weights(progress=progress), config.cache, max_model_len,
+        resolve_dtype(config.dtype, device), device, seed=config.seed, options=options,
+        native_weights=source.native_quantized_weights() if config.quantization in NATIVE_QUANTIZATIONS else None,
+        tp=tp,
+    )  # fmt: skip
+
+
 class LLMEngine:
     """Loads a model and steps requests through it. Not thread-safe: one caller drives ``step``."""
 
@@ -51,19 +69,17 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(source)
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or hardware.physical_cores())
         max_model_len = min(config.scheduler.max_model_len, self.model_config.max_position_embeddings)
         self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
-        torch.manual_seed(config.seed)
-        options = RunnerOptions(
-            config.quantization, config.attention_backend, config.linear_backend, config.scheduler.max_num_seqs
-        )
-        self.model_runner = ModelRunner(
-            self.model_config, source.iter_weights(progress=progress), config.cache, max_model_len,
-            self.dtype, self.device, seed=config.seed, options=options,
-            native_weights=source.native_quantized_weights() if config.quantization in NATIVE_QUANTIZATIONS else None,
-        )  # fmt: skip
+        from twophase.distributed.launch import start_engine_rank
+
+        self.tp = start_engine_rank(config, self.model_config)  # None without tensor parallelism
+        try:
+            self.model_runner = build_model_runner(config, source, self.tp, progress)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()
+            raise
         log.info("engine: %s", self.model_runner.describe())
         block_manager = BlockManager(
             self.model_runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
@@ -73,6 +89,16 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.step_records: collections.deque[StepRecord] = collections.deque(maxlen=MAX_STEP_RECORDS)
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop tensor-parallel workers (no-op without them); the engine cannot step afterwards."""
+        if self.tp is not None:
+            self.tp.close()
+
+    def watch_workers(self, on_failure) -> None:
+        """Call ``on_failure(error)`` (from another thread) if a tensor-parallel worker process exits."""
+        if self.tp is not None:
+            self.tp.watch(on_failure)
 
     @property
     def max_model_len(self) -> int:

@@ -78,4 +78,5 @@ def run_server(args: argparse.Namespace) -> int:
         server.run()
     finally:
         llm.shutdown()
+        engine.close()
     return 0 if server.started else 1
