@@ -13,6 +13,7 @@ import atexit
 import dataclasses
 import logging
 import os
+import pickle
 import socket
 import sys
 import time
@@ -26,6 +27,7 @@ from twophase.distributed.group import CONTROL_TIMEOUT, JOINED, TensorParallelGr
 from twophase.distributed.sharding import check_size, plan_shards
 
 log = logging.getLogger(__name__)
+CONFIG = "twophase/tp/engine_config"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +99,7 @@ def start_engine_rank(config: EngineConfig, model_config: ModelConfig) -> Tensor
             process.start()
             processes.append(process)
     try:
-        store = _join(topo, 0, processes)
+        store = _join(topo, 0, processes, config)
         group = TensorParallelGroup(plan_shards(model_config, 0, topo.world_size), _backend(config),
                                     config.parallel.timeout_s, processes, store)  # fmt: skip
     except BaseException:
@@ -108,11 +110,14 @@ def start_engine_rank(config: EngineConfig, model_config: ModelConfig) -> Tensor
     return group
 
 
-def _join(topo: Topology, rank: int, processes: list) -> dist.TCPStore:
-    """Connect to the store (rank 0 hosts it unless a launcher does) and form the default (control) group."""
+def _join(topo: Topology, rank: int, processes: list, config: EngineConfig | None = None) -> dist.TCPStore:
+    """Connect to the store (rank 0 hosts it unless a launcher does, and publishes its ``config`` there: every
+    rank runs the engine's dtype, weight format and cache shape) and form the default (control) group."""
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(topo.master_addr, topo.master_port, topo.world_size, is_master=rank == 0 and not agent_store,
                           timeout=CONTROL_TIMEOUT, wait_for_workers=False)  # fmt: skip
+    if config is not None:
+        store.set(CONFIG, pickle.dumps(config))
     store.add(JOINED, 1)
     if rank == 0:
         wait_for_count(store, JOINED, topo.world_size, processes, "join")
@@ -140,6 +145,8 @@ def worker_main(config: EngineConfig, rank: int) -> None:
     topo = topology(config.parallel)
     torch.set_num_threads(threads_per_rank(config))
     store = _join(topo, rank, [])
+    engine_config = pickle.loads(store.get(CONFIG))  # rank 0's options; this host's threads and device
+    config = dataclasses.replace(engine_config, num_threads=config.num_threads, device=config.device)
     source = open_model_source(config.model)
     group = TensorParallelGroup(plan_shards(source.config, rank, topo.world_size), _backend(config),
                                 config.parallel.timeout_s, [], store)  # fmt: skip
