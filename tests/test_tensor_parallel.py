@@ -186,6 +186,20 @@ def test_killed_worker_fails_generate_with_a_clear_message(tiny_llama_dir):
     llm.engine.close()
 
 
+def test_hung_worker_stops_the_engine_after_the_timeout(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), dtype="float32", progress=False, tensor_parallel_size=2, timeout_s=3)
+    worker = llm.engine.tp.processes[0]
+    os.kill(worker.pid, signal.SIGSTOP)  # alive, but answers nothing
+    try:
+        start = time.monotonic()
+        with pytest.raises(TensorParallelError, match=r"timeout 3s\): a worker died or hung"):
+            llm.generate([[5, 6, 7]], SamplingParams(temperature=0, max_tokens=4))
+        assert time.monotonic() - start < 30
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        llm.engine.close()
+
+
 def _children(pid: int) -> list[int]:
     with open(f"/proc/{pid}/task/{pid}/children") as f:
         return [int(c) for c in f.read().split()]
@@ -214,3 +228,16 @@ def test_killed_worker_makes_server_unhealthy(tiny_llama_dir):
         assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
     finally:
         server.stop()
+
+
+@pytest.mark.slow  # loads SmolLM2-135M four times (tp=1 and three tp=3 ranks)
+def test_default_model_tp3_greedy_equals_tp1(default_model):
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    reference = LLM(str(default_model), dtype="float32", progress=False, max_model_len=256)
+    expected = [o.token_ids for o in reference.generate(prompts, params)]
+    llm = LLM(str(default_model), dtype="float32", progress=False, max_model_len=256, tensor_parallel_size=3)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+    finally:
+        llm.engine.close()
