@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
+import pickle
 import threading
 import time
 from typing import Any, Callable, Iterator
@@ -84,16 +85,21 @@ class TensorParallelGroup:
 
     # ---- the step command (control group) ---------------------------------------------------------
     def broadcast_command(self, kind: str, payload: Any = None) -> None:
-        """Rank 0: send the next command to every worker (they run the same forward)."""
+        """Rank 0: send the next command to every worker (they run the same forward); a worker that does not
+        take it within the timeout (hung) fails the step."""
         self.check_workers()
+        data = torch.frombuffer(bytearray(pickle.dumps((kind, payload))), dtype=torch.uint8)  # [n]
         with self.failures():
-            dist.broadcast_object_list([(kind, payload)], src=0)
+            for tensor in (torch.tensor([data.numel()], dtype=torch.int64), data):
+                dist.broadcast(tensor, src=0, async_op=True).wait(datetime.timedelta(seconds=self.timeout_s))
 
     def receive_command(self) -> tuple[str, Any]:
-        """Workers: block until rank 0 sends a command."""
-        box: list[Any] = [None]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
+        """Workers: block (without timeout: the engine may idle) until rank 0 sends a command."""
+        size = torch.empty(1, dtype=torch.int64)
+        dist.broadcast(size, src=0)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.broadcast(data, src=0)
+        return pickle.loads(data.numpy().tobytes())
 
     def agree(self, value: int) -> int:
         """Every rank gets rank 0's ``value`` once all have loaded (the number of KV blocks: the same block ids
@@ -159,7 +165,7 @@ class TensorParallelGroup:
         if self.rank == 0:
             with contextlib.suppress(Exception):
                 if all(p.is_alive() for p in self.processes):
-                    dist.broadcast_object_list([("stop", None)], src=0)
+                    self.broadcast_command("stop")
         for process in self.processes:
             process.join(join_timeout_s)
             if process.is_alive():
