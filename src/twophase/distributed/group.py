@@ -1,9 +1,10 @@
 """The process groups of one tensor-parallel engine and every collective the model and the runner call.
 
-Two groups over the same ranks:
+Two process groups over the same ranks, made from the TCP store the ranks met at (plain objects: no
+``init_process_group``, so several engines may live in one process, e.g. in tests):
 
-- the *control* group (the default group, no practical timeout): rank 0 broadcasts each step's command to the
-  workers, which may wait on it for as long as the engine is idle;
+- the *control* group (gloo, no practical timeout on the workers' side): rank 0 broadcasts each step's command,
+  which the workers may wait for as long as the engine is idle (rank 0's sends are bounded by ``timeout_s``);
 - the *compute* group (``timeout_s``): the all-reduces and the logits gather inside a forward. A worker that
   died makes them fail at once (connection closed); one that hangs makes them fail after ``timeout_s``.
 
@@ -45,15 +46,16 @@ class CollectiveStats:
 class TensorParallelGroup:
     """One rank's view: its shard plan, the collectives, and (rank 0) the step broadcast and the workers."""
 
-    def __init__(
-        self, plan: ShardPlan, backend: str, timeout_s: float, processes: list | None = None, store=None
-    ) -> None:
+    def __init__(self, plan: ShardPlan, backend: str, timeout_s: float, store, processes: list | None = None) -> None:
+        """Connect this rank's two groups through ``store`` (every rank constructs them in the same order)."""
         self.plan = plan
         self.rank = plan.rank
         self.size = plan.size
         self.backend = backend
         self.timeout_s = timeout_s
-        self.compute_group = dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        self.control_group = _process_group("gloo", dist.PrefixStore("control/", store), plan, CONTROL_TIMEOUT)
+        self.compute_group = _process_group(backend, dist.PrefixStore("compute/", store), plan, self.timeout)
         self.processes = processes or []  # worker processes this process started (rank 0 / a worker host)
         self.store = store  # the TCP store every rank met at (start-up agreements)
         self.stats = CollectiveStats()
@@ -65,10 +67,10 @@ class TensorParallelGroup:
         start = time.perf_counter()
         if self.backend == "gloo" and x.dtype in (torch.bfloat16, torch.float16):
             wide = x.float()
-            dist.all_reduce(wide, group=self.compute_group)
+            self.compute_group.allreduce([wide]).wait()
             x = wide.to(x.dtype)
         else:
-            dist.all_reduce(x, group=self.compute_group)
+            self.compute_group.allreduce([x]).wait()
         self.stats.num_all_reduces += 1
         self.stats.all_reduce_seconds += time.perf_counter() - start
         return x
@@ -77,8 +79,10 @@ class TensorParallelGroup:
         """local logits [N, own vocab] → [N, vocab] on rank 0 (other ranks get their input back)."""
         counts = self.plan.vocab_counts
         padded = torch.nn.functional.pad(local, (0, max(counts) - local.shape[1])).contiguous()  # [N, max count]
-        parts = [torch.empty_like(padded) for _ in counts] if self.rank == 0 else None
-        dist.gather(padded, parts, dst=0, group=self.compute_group)
+        parts = [torch.empty_like(padded) for _ in counts] if self.rank == 0 else []
+        options = dist.GatherOptions()
+        options.rootRank = 0
+        self.compute_group.gather([parts] if parts else [], [padded], options).wait()
         if self.rank != 0:
             return local
         return torch.cat([p[:, :c] for p, c in zip(parts, counts)], dim=1)
@@ -91,14 +95,14 @@ class TensorParallelGroup:
         data = torch.frombuffer(bytearray(pickle.dumps((kind, payload))), dtype=torch.uint8)  # [n]
         with self.failures():
             for tensor in (torch.tensor([data.numel()], dtype=torch.int64), data):
-                dist.broadcast(tensor, src=0, async_op=True).wait(datetime.timedelta(seconds=self.timeout_s))
+                self.control_group.broadcast([tensor], _root()).wait(self.timeout)
 
     def receive_command(self) -> tuple[str, Any]:
         """Workers: block (without timeout: the engine may idle) until rank 0 sends a command."""
         size = torch.empty(1, dtype=torch.int64)
-        dist.broadcast(size, src=0)
+        self.control_group.broadcast([size], _root()).wait()
         data = torch.empty(int(size.item()), dtype=torch.uint8)
-        dist.broadcast(data, src=0)
+        self.control_group.broadcast([data], _root()).wait()
         return pickle.loads(data.numpy().tobytes())
 
     def agree(self, value: int) -> int:
@@ -170,8 +174,21 @@ class TensorParallelGroup:
             process.join(join_timeout_s)
             if process.is_alive():
                 process.terminate()
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
+
+
+def _root() -> dist.BroadcastOptions:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    return options
+
+
+def _process_group(backend: str, store, plan: ShardPlan, timeout: datetime.timedelta):
+    """A gloo or NCCL process group object over every rank (not registered as torch's default group)."""
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = timeout
+        return dist.ProcessGroupNCCL(store, plan.rank, plan.size, options)
+    return dist.ProcessGroupGloo(store, plan.rank, plan.size, timeout)
 
 
 def wait_for_count(store, key: str, target: int, processes: list, what: str) -> None:

@@ -101,7 +101,7 @@ def start_engine_rank(config: EngineConfig, model_config: ModelConfig) -> Tensor
     try:
         store = _join(topo, 0, processes, config)
         group = TensorParallelGroup(plan_shards(model_config, 0, topo.world_size), _backend(config),
-                                    config.parallel.timeout_s, processes, store)  # fmt: skip
+                                    config.parallel.timeout_s, store, processes)  # fmt: skip
     except BaseException:
         for process in processes:
             process.terminate()
@@ -112,7 +112,7 @@ def start_engine_rank(config: EngineConfig, model_config: ModelConfig) -> Tensor
 
 def _join(topo: Topology, rank: int, processes: list, config: EngineConfig | None = None) -> dist.TCPStore:
     """Connect to the store (rank 0 hosts it unless a launcher does, and publishes its ``config`` there: every
-    rank runs the engine's dtype, weight format and cache shape) and form the default (control) group."""
+    rank runs the engine's dtype, weight format and cache shape); rank 0 waits until every rank is there."""
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     store = dist.TCPStore(topo.master_addr, topo.master_port, topo.world_size, is_master=rank == 0 and not agent_store,
                           timeout=CONTROL_TIMEOUT, wait_for_workers=False)  # fmt: skip
@@ -121,7 +121,6 @@ def _join(topo: Topology, rank: int, processes: list, config: EngineConfig | Non
     store.add(JOINED, 1)
     if rank == 0:
         wait_for_count(store, JOINED, topo.world_size, processes, "join")
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=topo.world_size, timeout=CONTROL_TIMEOUT)
     return store
 
 
@@ -149,7 +148,7 @@ def worker_main(config: EngineConfig, rank: int) -> None:
     config = dataclasses.replace(engine_config, num_threads=config.num_threads, device=config.device)
     source = open_model_source(config.model)
     group = TensorParallelGroup(plan_shards(source.config, rank, topo.world_size), _backend(config),
-                                config.parallel.timeout_s, [], store)  # fmt: skip
+                                config.parallel.timeout_s, store)  # fmt: skip
     device = f"cuda:{rank % topo.ranks_per_node}" if config.device.startswith("cuda") else config.device
     if device.startswith("cuda"):
         torch.cuda.set_device(device)
@@ -160,7 +159,6 @@ def worker_main(config: EngineConfig, rank: int) -> None:
         log.warning("rank %d stopping: %s", rank, str(exc).splitlines()[0] if str(exc) else exc)
     finally:
         group.closed = True
-        dist.destroy_process_group()
 
 
 def run_worker_host(config: EngineConfig) -> int:
