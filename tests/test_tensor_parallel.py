@@ -215,8 +215,13 @@ def test_killed_worker_makes_server_unhealthy(tiny_llama_dir):
     import httpx
     from server_harness import ServerProcess
 
+    import openai
+
     server = ServerProcess(tiny_llama_dir, "--tensor-parallel-size", "2", "--tp-timeout", "20", "--threads", "1")
+    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
     try:
+        served = client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0)
+        assert served.usage.completion_tokens == 8
         workers = [c for c in _children(server.proc.pid) if "spawn_main" in _cmdline(c)]
         assert len(workers) == 1
         os.kill(workers[0], signal.SIGKILL)
@@ -226,6 +231,9 @@ def test_killed_worker_makes_server_unhealthy(tiny_llama_dir):
             time.sleep(0.2)
         response = httpx.get(f"{server.base_url}/health", timeout=5)
         assert response.status_code == 503 and response.json()["error"]["code"] == "engine_dead"
+        with pytest.raises(openai.APIStatusError) as failed:
+            client.completions.create(model="tiny", prompt="Hello", max_tokens=8, temperature=0)
+        assert failed.value.status_code in (500, 503)
     finally:
         server.stop()
 
