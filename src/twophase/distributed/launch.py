@@ -16,7 +16,6 @@ import os
 import pickle
 import socket
 import sys
-import time
 
 import torch
 import torch.distributed as dist

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import torch
 
 from twophase.engine.input_batch import build_input_batch
 from twophase.outputs import SchedulerOutput
-
-log = logging.getLogger(__name__)
 
 
 def step_payload(scheduler_output: SchedulerOutput) -> SchedulerOutput:
