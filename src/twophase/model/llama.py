@@ -80,7 +80,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         backend = backend or TorchPagedAttention(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
         self.backend = backend
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # _weight: no random init (the model is built on the meta device and loaded; meta normal_ imports dynamo)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
