@@ -18,6 +18,7 @@ from twophase.bench.metrics import RequestRecord
 from twophase.config import SchedulerConfig
 from twophase.engine.scheduler import Scheduler
 from twophase.kv_cache.block_manager import BlockManager
+from twophase.metrics.goodput import timeline_record
 from twophase.outputs import ModelRunnerOutput, SchedulerOutput, StepRecord
 from twophase.request import Request
 from twophase.sampling_params import SamplingParams
@@ -143,7 +144,7 @@ class Simulator:
                 continue
             in_flight -= self.step()
         duration = self.clock() - t0
-        records = [_client_record(request, send) for request, send in sent]
+        records = [timeline_record(r.timeline, r.num_prompt_tokens, send) for r, send in sent]
         return SimResult(records, duration, self.steps, [r for r, _ in sent], self.step_tokens,
                          getattr(self.predictor, "num_out_of_range", 0))  # fmt: skip
 
@@ -170,15 +171,3 @@ class Simulator:
         self.steps.append(make_step_record(output, self.scheduler, start, duration))
         self.clock.advance(self.gap())
         return sum(u.finished for u in updates)
-
-
-def _client_record(request: Request, send_time: float) -> RequestRecord:
-    """bench serve's RequestRecord from a simulated request: each token is seen when its step ends."""
-    times = request.timeline.token_times
-    if not times:
-        return RequestRecord(success=False, prompt_len=request.num_prompt_tokens, start_time=send_time,
-                             error="no token produced")  # fmt: skip
-    end = request.timeline.finish_time or times[-1]
-    return RequestRecord(success=True, prompt_len=request.num_prompt_tokens, output_len=len(times),
-                         ttft=times[0] - send_time, itl=np.diff(times).tolist(), latency=end - send_time,
-                         start_time=send_time)  # fmt: skip
