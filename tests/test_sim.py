@@ -210,3 +210,29 @@ def test_budget_policy_closed_form_floor_and_cap():
     assert math.isclose(policy.ratio, 2.0, rel_tol=0.02)
     assert policy.step_budget(running, waiting) == 10 + math.floor((0.05 / policy.ratio - 3e-3) / 50e-6)
     assert FixedBudget(256).step_budget(running, waiting) == 256
+
+
+def test_auto_budget_in_simulation_keeps_mixed_steps_within_itl_unlike_a_large_fixed_budget():
+    model = known_model()
+    itl = 0.03
+    rng = np.random.default_rng(5)
+    load = [SimRequest(rng.integers(0, 1000, size=900).tolist() if i % 3 == 0 else [i] * 20, 40, 0.02 * i)
+            for i in range(30)]  # long prompts arriving among many short streams
+    runs = {}
+    for name, policy in (("fixed", FixedBudget(2048)), ("auto", SloBudget(model, itl, cap=2048, floor=16, max_num_seqs=32))):
+        config = SchedulerConfig(max_num_batched_tokens=2048, max_num_seqs=32, max_model_len=2048)
+        sim = Simulator(config, 4000, 16, ModelPredictor(model), gap=0.0, budget_policy=policy)
+        runs[name] = sim.run(load)
+        assert all(r.success for r in runs[name].records) and len(runs[name].records) == 31 - 1
+    mixed = lambda run: [s for s in run.steps if s.decode_rows and s.num_prompt_tokens]  # noqa: E731
+    assert any(s.duration > itl for s in mixed(runs["fixed"]))
+    assert mixed(runs["auto"]) and all(s.duration <= itl or s.num_prompt_tokens <= 16 for s in mixed(runs["auto"]))
+    assert all(s.predicted_duration == s.duration for s in runs["auto"].steps)  # no noise: ratio stays 1
+
+
+def test_refused_request_fails_like_in_bench_serve():
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)
+    result = Simulator(config, 100, 16, ModelPredictor(known_model())).run(
+        [SimRequest([1] * 10, 4), SimRequest([2] * 80, 4, 0.001), SimRequest([3] * 10, 4, 0.002)])
+    assert [r.success for r in result.records] == [True, False, True]
+    assert "context length" in result.requests[1].timeline.finish_reason

@@ -20,8 +20,8 @@ from twophase.engine.scheduler import Scheduler
 from twophase.kv_cache.block_manager import BlockManager
 from twophase.metrics.goodput import timeline_record
 from twophase.outputs import ModelRunnerOutput, SchedulerOutput, StepRecord
-from twophase.request import Request
-from twophase.sampling_params import SamplingParams
+from twophase.request import Request, RequestStatus
+from twophase.sampling_params import InvalidRequestError, SamplingParams
 from twophase.steptime.budget import BudgetPolicy
 from twophase.steptime.features import StepFeatures, make_step_record, step_features
 from twophase.steptime.model import StepTimeModel
@@ -138,7 +138,7 @@ class Simulator:
         while pending or self.scheduler.has_unfinished:
             while pending and in_flight < limit and t0 + workload[pending[-1]].send_offset <= self.clock():
                 sent.append(self._send(workload[pending.pop()], len(sent)))
-                in_flight += 1
+                in_flight += not sent[-1][0].finished
             if not self.scheduler.has_unfinished:
                 self.clock.advance_to(t0 + workload[pending[-1]].send_offset)
                 continue
@@ -149,11 +149,15 @@ class Simulator:
                          getattr(self.predictor, "num_out_of_range", 0))  # fmt: skip
 
     def _send(self, item: SimRequest, index: int) -> tuple[Request, float]:
-        """Queue one request arriving now."""
+        """Queue one request arriving now; one the engine would refuse ends at once, failed, as in bench serve."""
         now = self.clock()
         params = SamplingParams(temperature=0.0, max_tokens=item.max_tokens, ignore_eos=True)
         request = Request(item.request_id or f"sim-{index}", item.prompt_token_ids, params, arrival_time=now)
-        self.scheduler.add_request(request)
+        try:
+            self.scheduler.add_request(request)
+        except InvalidRequestError as exc:
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.timeline.finish_reason = f"refused: {exc}"
         return request, now
 
     def step(self) -> int:

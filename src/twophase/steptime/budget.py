@@ -55,34 +55,41 @@ class FixedBudget:
 class SloBudget:
     """The largest prefill chunk that keeps the predicted step within ``itl_s`` (see the module docstring)."""
 
-    def __init__(self, model: StepTimeModel, itl_s: float, cap: int, floor: int = 32, smoothing: float = 0.1) -> None:
+    def __init__(self, model: StepTimeModel, itl_s: float, cap: int, floor: int = 32, max_num_seqs: int | None = None,
+                 smoothing: float = 0.1) -> None:
         if itl_s <= 0:
             raise ValueError("the ITL objective must be positive")
-        self.model, self.itl_s, self.cap, self.floor, self.smoothing = model, itl_s, cap, min(floor, cap), smoothing
+        self.model, self.itl_s, self.cap, self.floor = model, itl_s, cap, min(floor, cap)
+        self.max_num_seqs, self.smoothing = max_num_seqs, smoothing
         self.ratio = 1.0  # running actual ÷ predicted
 
     def step_budget(self, running: Sequence[Request], waiting: Sequence[Request]) -> int:
-        """decode rows + the largest prefill chunk within the objective (floor ≤ chunk; total ≤ cap)."""
+        """decode rows + the largest prefill chunk within the objective (floor ≤ chunk; total ≤ cap).
+
+        The chunk may be split over every prompt that can join the step (running partial prefills, then waiting
+        prompts up to ``max_num_seqs``): each adds its row cost, and the chunk is priced as one row from the latest
+        start position among them — an upper bound on the causal pairs of any split from those positions."""
         decode = [r for r in running if _is_decoding(r)]
-        prefill_start = next((r.num_computed_tokens for r in running if not _is_decoding(r)), None)
-        if prefill_start is None and waiting:
-            prefill_start = 0  # the waiting head (a prefix-cache hit only makes its chunk cheaper)
-        if not decode or prefill_start is None:
+        starts = [r.num_computed_tokens for r in running if not _is_decoding(r)]
+        free_seqs = len(waiting) if self.max_num_seqs is None else max(0, self.max_num_seqs - len(running))
+        starts += [0] * min(len(waiting), free_seqs)  # a prefix-cache hit only makes a waiting prompt cheaper
+        if not decode or not starts:
             return self.cap
         base = StepFeatures(decode_rows=len(decode), decode_context_tokens=sum(r.num_tokens for r in decode),
                             sampled_rows=len(decode))  # fmt: skip
-        chunk = max(self.largest_chunk(base, prefill_start), self.floor)
+        chunk = max(self.largest_chunk(base, max(starts), len(starts)), self.floor)
         return min(self.cap, len(decode) + chunk)
 
-    def largest_chunk(self, base: StepFeatures, start: int) -> int:
-        """Largest n ≥ 0 with ratio · predict(base + one prefill row of n tokens from ``start``) ≤ itl_s.
+    def largest_chunk(self, base: StepFeatures, start: int, rows: int = 1) -> int:
+        """Largest n ≥ 0 with ratio · predict(base + n prefill tokens over ``rows`` rows, priced as one chunk
+        from ``start``) + gap ≤ itl_s (a decode row's next token comes one step plus one gap later).
 
         The prediction is a + b·n + q·n² (q from the causal pairs n·start + n(n+1)/2), solved in closed form."""
         c = dict(zip(("constant", "pt", "pr", "pp", "dr", "dc", "s"), self.model.coefficients))
-        a = self.model.predict(base) + c["pr"] + c["s"]  # the chunk's row, sampled when it completes the prompt
+        a = self.model.predict(base) + rows * (c["pr"] + c["s"])  # each row, sampled when it completes its prompt
         b = c["pt"] + c["pp"] * (start + 0.5)
         q = c["pp"] / 2
-        room = self.itl_s / self.ratio - a
+        room = (self.itl_s - self.model.gap_s) / self.ratio - a
         if room <= 0:
             return 0
         if q > 0:
@@ -120,4 +127,5 @@ def make_budget_policy(config: SchedulerConfig) -> BudgetPolicy:
         raise ValueError("--step-budget auto needs --slo-itl-ms (or --slo-tpot-ms) and --step-time-model FILE "
                          "(written by `twophase calibrate`)")  # fmt: skip
     model = StepTimeModel.load(config.step_time_model)
-    return SloBudget(model, config.slo_itl_ms / 1000, config.max_num_batched_tokens, config.min_prefill_tokens)
+    return SloBudget(model, config.slo_itl_ms / 1000, config.max_num_batched_tokens, config.min_prefill_tokens,
+                     config.max_num_seqs)
