@@ -75,7 +75,8 @@ def scripted_engine_run(tiny_llama_dir):
             arrivals.append((request.request_id, prompt, max_tokens, request.timeline.arrival_time))
         if engine.has_unfinished_requests():
             for output in engine.step():
-                step_tokens.setdefault(output.request_id, []).extend([engine.step_records[-1].step_id] * len(output.new_token_ids))
+                step_id = engine.step_records[-1].step_id
+                step_tokens.setdefault(output.request_id, []).extend([step_id] * len(output.new_token_ids))
         call += 1
     return engine, recorder, arrivals, step_tokens
 
