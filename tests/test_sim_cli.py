@@ -62,9 +62,10 @@ def test_sim_prints_bench_serve_block_and_saves_json(step_model, tiny_llama_dir,
 def test_sim_sweep_picks_a_passing_configuration(step_model, tiny_llama_dir, capsys):
     assert main(["sim", "--model", str(tiny_llama_dir), "--step-time-model", str(step_model), "--block-size", "4",
                  "--num-prompts", "8", "--random-input-len", "20", "--random-output-len", "4", "--goodput",
-                 "ttft:100000", "--sweep", "budget=16,48", "concurrency=1,4"]) == 0  # fmt: skip
+                 "ttft:100000", "--sweep", "budget=16,48,auto", "concurrency=1,4", "--slo-itl-ms", "50"]) == 0  # fmt: skip
     text = capsys.readouterr().out
-    assert text.count("budget=") >= 5 and "Most goodput at >= 90% attainment: budget=" in text
+    assert text.count("budget=") >= 7 and "budget=auto concurrency=4" in text
+    assert "Most goodput at >= 90% attainment: budget=" in text
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -73,6 +74,8 @@ def test_sim_sweep_picks_a_passing_configuration(step_model, tiny_llama_dir, cap
     (["sim", "--step-time-model", "x.json", "--sweep", "budget=8"], "--sweep needs --goodput"),
     (["sim", "--step-time-model", "x.json", "--sweep", "rate=1", "concurrency=2", "--goodput", "ttft:1"], "not both"),
     (["sim", "--step-time-model", "x.json", "--goodput", "ttfx:1"], "invalid SLO name"),
+    (["sim", "--step-time-model", "x.json", "--goodput", "ttft:1", "--sweep", "budget=big"], "numbers or auto"),
+    (["sim", "--step-time-model", "x.json", "--goodput", "ttft:1", "--sweep", "budget=auto"], "needs --slo-itl-ms"),
     (["serve", "--step-budget", "auto"], "--step-budget auto needs --slo-itl-ms"),
     (["calibrate", "--budgets", "0"], "--budgets takes positive integers"),
 ])  # fmt: skip

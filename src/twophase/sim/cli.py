@@ -204,8 +204,8 @@ def sim_note(setup: SimSetup, result: SimResult) -> str:
             f"noise {'on' if setup.noise else 'off'}{error}{outside}")  # fmt: skip
 
 
-def parse_sim_sweep(items: list[str]) -> list[dict[str, float]]:
-    """['budget=256,512', 'rate=1,2'] → every combination as {field: value}."""
+def parse_sim_sweep(items: list[str]) -> list[dict[str, float | str]]:
+    """['budget=256,512,auto', 'rate=1,2'] → every combination as {field: value} (a budget may be 'auto')."""
     axes = []
     for item in items:
         key, _, values = item.partition("=")
@@ -213,8 +213,29 @@ def parse_sim_sweep(items: list[str]) -> list[dict[str, float]]:
             raise ValueError(f"--sweep takes KEY=V1,V2,... with KEY one of {', '.join(SWEEP_KEYS)}; got {item!r}")
         if key in ("rate", "concurrency") and any(SWEEP_KEYS[a[0]] in ("request_rate", "max_concurrency") for a in axes):
             raise ValueError("--sweep takes rate= or concurrency=, not both")
-        axes.append((key, [float(v) for v in values.split(",")]))
+        axes.append((key, [_sweep_value(key, v) for v in values.split(",")]))
     return [{SWEEP_KEYS[k]: v for (k, _), v in zip(axes, combo)} for combo in itertools.product(*(a[1] for a in axes))]
+
+
+def _sweep_value(key: str, text: str) -> float | str:
+    if key == "budget" and text.strip() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError as exc:
+        raise ValueError(f"--sweep {key}= takes numbers{' or auto' if key == 'budget' else ''}, got {text!r}") from exc
+
+
+def _scheduler_fields(combo: dict[str, float | str]) -> dict[str, Any]:
+    """SchedulerConfig fields of a sweep point: a number budget is fixed, 'auto' the SLO-aware policy."""
+    fields: dict[str, Any] = {}
+    if "max_num_batched_tokens" in combo:
+        budget = combo["max_num_batched_tokens"]
+        fields = {"step_budget": "auto"} if budget == "auto" else {"step_budget": "fixed",
+                                                                   "max_num_batched_tokens": int(budget)}
+    if "max_num_seqs" in combo:
+        fields["max_num_seqs"] = int(combo["max_num_seqs"])
+    return fields
 
 
 def run_sim_sweep(args: argparse.Namespace, setup: SimSetup, config: LoadConfig) -> int:
@@ -224,10 +245,9 @@ def run_sim_sweep(args: argparse.Namespace, setup: SimSetup, config: LoadConfig)
         raise ValueError("--sweep needs --goodput SLOs to rank configurations")
     points, workloads = [], {}
     for combo in combos:
-        scheduler = dataclasses.replace(setup.scheduler, **{k: int(v) for k, v in combo.items()
-                                                            if k in ("max_num_batched_tokens", "max_num_seqs")})
+        scheduler = dataclasses.replace(setup.scheduler, **_scheduler_fields(combo))
         point_setup = dataclasses.replace(setup, scheduler=scheduler)
-        rate = combo.get("request_rate", config.request_rate)
+        rate = float(combo.get("request_rate", config.request_rate))
         concurrency = int(combo["max_concurrency"]) if "max_concurrency" in combo else config.max_concurrency
         if rate not in workloads:
             workloads[rate] = sim_workload(args, rate)
@@ -253,9 +273,9 @@ def best_goodput(points: list[dict[str, Any]], min_attainment: float) -> dict[st
     return max(passing, key=lambda p: p["request_goodput"], default=None)
 
 
-def _combo_text(combo: dict[str, float]) -> str:
+def _combo_text(combo: dict[str, float | str]) -> str:
     names = {v: k for k, v in SWEEP_KEYS.items()}
-    return " ".join(f"{names[k]}={v:g}" for k, v in combo.items())
+    return " ".join(f"{names[k]}={v if isinstance(v, str) else format(v, 'g')}" for k, v in combo.items())
 
 
 def format_sim_sweep(points: list[dict[str, Any]]) -> str:
