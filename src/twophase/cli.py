@@ -12,7 +12,7 @@ import sys
 from twophase.sampling_params import InvalidRequestError, SamplingParams
 
 # modules that add their own subcommands (each defines register(subparsers))
-COMMAND_MODULES = ("twophase.server.cli", "twophase.bench.cli", "twophase.report.cli")
+COMMAND_MODULES = ("twophase.server.cli", "twophase.bench.cli", "twophase.report.cli", "twophase.sim.cli")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +48,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--no-chunked-prefill", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    from twophase.steptime.cli import add_budget_arguments
+
+    add_budget_arguments(parser)
 
 
 def parse_bytes(text: str) -> int:
@@ -63,6 +66,7 @@ def parse_bytes(text: str) -> int:
 def engine_config_from_args(args: argparse.Namespace):
     """EngineConfig from the shared engine options."""
     from twophase.config import CacheConfig, EngineConfig, SchedulerConfig
+    from twophase.steptime.cli import budget_fields
 
     cache = CacheConfig(
         block_size=args.block_size,
@@ -75,6 +79,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         enable_chunked_prefill=not args.no_chunked_prefill,
         max_waiting_requests=getattr(args, "max_waiting_requests", None),
+        **budget_fields(args),
     )
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, cache=cache, scheduler=scheduler,

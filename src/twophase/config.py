@@ -129,6 +129,10 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None  # None: unbounded
+    step_budget: str = "fixed"  # fixed: max_num_batched_tokens every step | auto: SLO-aware (steptime.budget)
+    slo_itl_ms: float | None = None  # the inter-token-latency objective step_budget auto keeps each step within
+    step_time_model: str | None = None  # step-time model file (`twophase calibrate`) for step_budget auto
+    min_prefill_tokens: int = 32  # auto: the smallest prefill chunk while prompts wait
 
 
 @dataclass(frozen=True)

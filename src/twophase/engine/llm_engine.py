@@ -21,6 +21,7 @@ from twophase.loader import open_model_source
 from twophase.outputs import EngineStats, RequestOutput, StepRecord
 from twophase.request import Request, RequestStatus
 from twophase.sampling_params import InvalidRequestError, SamplingParams
+from twophase.steptime.features import make_step_record
 from twophase.tokenizer import load_tokenizer
 
 MAX_STEP_RECORDS = 100_000
@@ -179,17 +180,4 @@ class LLMEngine:
     def _record_step(self, scheduler_output, start: float) -> None:
         if not scheduler_output.scheduled and not scheduler_output.preempted_request_ids:
             return
-        self.step_records.append(
-            StepRecord(
-                step_id=scheduler_output.step_id,
-                start_time=start,
-                duration=time.monotonic() - start,
-                num_prompt_tokens=scheduler_output.num_prompt_tokens,
-                num_decode_tokens=scheduler_output.num_decode_tokens,
-                num_requests=len(scheduler_output.scheduled),
-                num_blocks_in_use=self.scheduler.block_manager.num_blocks_in_use,
-                num_blocks_total=self.scheduler.block_manager.num_blocks,
-                num_waiting=len(self.scheduler.waiting),
-                num_preempted=len(scheduler_output.preempted_request_ids),
-            )
-        )
+        self.step_records.append(make_step_record(scheduler_output, self.scheduler, start, time.monotonic() - start))

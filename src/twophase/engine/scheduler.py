@@ -6,12 +6,16 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from twophase.config import SchedulerConfig
 from twophase.kv_cache.block_manager import BlockManager
 from twophase.outputs import ModelRunnerOutput, NewRequestData, ScheduledRequest, SchedulerOutput, TokenLogprobs
 from twophase.request import Request, RequestStatus, ScheduledEvent
 from twophase.sampling_params import InvalidRequestError
+from twophase.steptime.budget import BudgetPolicy, make_budget_policy
+
+Clock = Callable[[], float]  # seconds; the wall clock by default, a virtual one in the simulator
 
 
 class QueueFullError(RuntimeError):
@@ -29,11 +33,16 @@ class StepUpdate:
 
 
 class Scheduler:
-    """Owns the waiting queue, the running list and the block manager."""
+    """Owns the waiting queue, the running list and the block manager. Every time it reads comes from ``clock``,
+    so the simulator runs this class unchanged in virtual time."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock: Clock = time.monotonic,
+                 budget_policy: BudgetPolicy | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.clock = clock
+        self.budget_policy = budget_policy or make_budget_policy(config)
+        self._step_start = 0.0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -86,14 +95,16 @@ class Scheduler:
     # ---- scheduling ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Build this step's batch: running requests first, then waiting ones (FCFS)."""
-        now = time.monotonic()
+        now = self._step_start = self.clock()
         output = SchedulerOutput(step_id=self._step_id, finished_request_ids=self._finished_request_ids)
         self._finished_request_ids = []
         self._step_id += 1
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens, now)
+        output.token_budget = self.budget_policy.step_budget(self.running, self.waiting)
+        budget = self._schedule_running(output, output.token_budget, now)
         if not output.preempted_request_ids:
             self._schedule_waiting(output, budget, now)
         output.num_blocks_in_use = self.block_manager.num_blocks_in_use
+        output.predicted_duration = self.budget_policy.predict(output)
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int, now: float) -> int:
@@ -169,7 +180,9 @@ class Scheduler:
     # ---- results ---------------------------------------------------------------------------------
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[StepUpdate]:
         """Advance counters by the computed tokens, append sampled tokens, finish stopped requests."""
-        now = time.monotonic()
+        now = self.clock()
+        if scheduler_output.scheduled:
+            self.budget_policy.observe(scheduler_output.predicted_duration, now - self._step_start)
         updates = []
         for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
@@ -215,7 +228,7 @@ class Scheduler:
         if request.timeline.scheduled:  # the runner holds its state
             self._finished_request_ids.append(request_id)
         request.status = status
-        request.timeline.finish_time = time.monotonic()
+        request.timeline.finish_time = self.clock()
         request.timeline.finish_reason = status.value
         return request
 

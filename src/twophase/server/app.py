@@ -9,6 +9,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from twophase.engine.async_engine import AsyncLLM
+from twophase.metrics.goodput import GoodputStatLogger
 from twophase.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
 from twophase.metrics.records import RecordRing
 from twophase.server.auth import APIKeyMiddleware
@@ -29,6 +30,8 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app.state.prometheus = PrometheusStatLogger(settings.model_name)
     app.state.records = RecordRing(settings.records_max_steps, settings.records_max_requests)
     llm.stat_loggers.extend([app.state.prometheus, app.state.records])
+    goodput = GoodputStatLogger(settings.model_name, dict(settings.slos_ms), app.state.prometheus.registry)
+    llm.stat_loggers.append(goodput)
     install_error_handlers(app)
     app.include_router(router)
     _add_info_routes(app)

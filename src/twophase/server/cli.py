@@ -28,6 +28,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompts", type=int, default=64, help="prompts per completions request")
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds in-flight requests get to finish after SIGTERM before they are aborted")
+    p.add_argument("--slo-ttft-ms", type=float, default=None, help="TTFT objective for the goodput metrics")
+    p.add_argument("--slo-e2el-ms", type=float, default=None, help="end-to-end latency objective for the goodput metrics")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     p.add_argument("--access-log", action="store_true")
     p.set_defaults(func=_serve)

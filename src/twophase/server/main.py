@@ -43,6 +43,10 @@ class GracefulServer(uvicorn.Server):
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     """ServerSettings from the ``serve`` options (the API key may come from ``TWOPHASE_API_KEY``)."""
     origins = tuple(o.strip() for o in (args.cors_origins or "").split(",") if o.strip())
+    for name in ("ttft", "tpot", "e2el"):
+        value = getattr(args, f"slo_{name}_ms", None)
+        if value is not None and value <= 0:
+            raise ValueError(f"--slo-{name}-ms must be positive, got {value}")
     return ServerSettings(
         model_name=args.served_model_name or args.model,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -54,6 +58,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_stop_strings=args.max_stop_strings,
         max_stop_string_chars=args.max_stop_string_chars,
         max_prompts=args.max_prompts,
+        slos_ms=tuple((name, float(getattr(args, f"slo_{name}_ms"))) for name in ("ttft", "tpot", "e2el")
+                      if getattr(args, f"slo_{name}_ms", None) is not None),
     )
 
 
