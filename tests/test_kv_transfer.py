@@ -123,26 +123,45 @@ def _engine_config(model_dir, role: str, **cache) -> EngineConfig:
     )
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    from server_harness import write_server_model
+def _start_engines(model_dir, names_roles) -> dict:
     from twophase.engine.async_engine import AsyncLLM
     from twophase.engine.llm_engine import LLMEngine
 
-    model_dir = write_server_model(tmp_path_factory.mktemp("kvx-model"))
     llms = {}
-    for name, role, cache in (("colocated", "both", {}), ("prefill", "prefill", {}), ("decode", "decode", {}),
-                              ("decode32", "decode", {"block_size": 32})):
+    for name, role, cache in names_roles:
         llm = AsyncLLM(LLMEngine(_engine_config(model_dir, role, **cache), progress=False))
         if llm.engine.kv_connector is not None:
             llm.engine.kv_connector.attach(llm.call_in_loop)
         llm.start()
         llms[name] = llm
-    yield llms
+    return llms
+
+
+def _stop_engines(llms: dict) -> None:
     for llm in llms.values():
         llm.shutdown()
         if llm.engine.kv_connector is not None:
             llm.engine.kv_connector.close()
+
+
+TRIO = (("colocated", "both", {}), ("prefill", "prefill", {}), ("decode", "decode", {}))
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    from server_harness import write_server_model
+
+    llms = _start_engines(write_server_model(tmp_path_factory.mktemp("kvx-model")),
+                          (*TRIO, ("decode32", "decode", {"block_size": 32})))
+    yield llms
+    _stop_engines(llms)
+
+
+@pytest.fixture(scope="module")
+def default_engines(default_model):
+    llms = _start_engines(default_model, TRIO)
+    yield llms
+    _stop_engines(llms)
 
 
 async def _run(llm, prompt, params, request_id, kv_params=None, handle=None):
@@ -169,9 +188,8 @@ def _invariants(llm) -> None:
     asyncio.run(check())
 
 
-@pytest.mark.parametrize("length", [1, 15, 16, 17, 300])
-def test_disaggregated_engines_equal_colocated(engines, length):
-    prompt = [3 + (i * 53 + length) % 390 for i in range(length)]
+def _check_parity(engines, length: int, max_token_id: int) -> None:
+    prompt = [3 + (i * 53 + length * 7) % (max_token_id - 3) for i in range(length)]
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
     reference = asyncio.run(_run(engines["colocated"], prompt, params, f"c{length}"))
     got = asyncio.run(_disaggregated(engines, prompt, params, f"d{length}"))
@@ -183,6 +201,17 @@ def test_disaggregated_engines_equal_colocated(engines, length):
         _invariants(engines[name])
         assert not engines[name].engine.kv_connector.scheduler_side.leases
         assert engines[name].engine.scheduler.block_manager.num_blocks_in_use == 0
+
+
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 300])
+def test_disaggregated_engines_equal_colocated(engines, length):
+    _check_parity(engines, length, 390)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("length", [1, 15, 16, 17, 300])
+def test_disaggregated_default_model_equals_colocated(default_engines, length):
+    _check_parity(default_engines, length, 40000)
 
 
 def test_mismatched_block_size_refused_at_handshake(engines):

@@ -208,7 +208,7 @@ def test_decode_rejection_releases_the_lease(servers):
 def test_client_disconnect_aborts_both_legs(servers):
     prompt = _prompt(120, salt=51)
     stream = _client(servers["proxy"]).completions.create(model=MODEL_NAME, prompt=prompt, max_tokens=900,
-                                                          temperature=0, ignore_eos=True, stream=True)
+                                                          temperature=0, stream=True, extra_body={"ignore_eos": True})
     for index, _chunk in enumerate(stream):
         if index == 2:
             break

@@ -79,7 +79,10 @@ class KVConnector:
         while not self._stop.wait(0.05):
             deadline = self.scheduler_side.next_deadline
             if deadline is not None and time.monotonic() >= deadline and self._post is not None:
-                self.call(lambda: self.scheduler_side.expire()).result(timeout=60)
+                try:
+                    self.call(self.scheduler_side.expire).result(timeout=60)
+                except Exception:  # noqa: BLE001 — a dead or stuck loop must not end the sweeper
+                    log.exception("lease sweep failed")
 
     def call(self, fn: Callable[[], Any]) -> Future:
         """Run ``fn()`` on the loop thread; its result (or exception) arrives on the returned future."""

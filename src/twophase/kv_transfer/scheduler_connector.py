@@ -120,7 +120,8 @@ class SchedulerConnector:
     @property
     def next_deadline(self) -> float | None:
         """The earliest lease deadline (read from other threads to decide when to sweep)."""
-        return min((lease.deadline for lease in self.leases.values()), default=None)
+        leases = list(self.leases.values())  # one C-level copy: safe while the loop thread mutates the dict
+        return min((lease.deadline for lease in leases), default=None)
 
     # ---- decode side -----------------------------------------------------------------------------
     def start_load(self, request: Request) -> str:

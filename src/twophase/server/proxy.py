@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
+import anyio
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
@@ -215,8 +216,9 @@ class Proxy:
             yield b'data: {"error": {"message": "upstream server failed mid-stream", "type": ' \
                   b'"internal_server_error", "param": null, "code": "upstream_error"}}\n\ndata: [DONE]\n\n'
         finally:
-            await resp.aclose()
             end()
+            with anyio.CancelScope(shield=True):  # also when the client is gone and this task is cancelled
+                await resp.aclose()
 
 
 def build_proxy_app(pool: BackendPool, timeout_s: float = 600.0, health_interval_s: float = 1.0) -> FastAPI:
