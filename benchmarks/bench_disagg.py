@@ -204,6 +204,7 @@ def main() -> int:
                     proc.stop()
     medians = {name: {key: statistics.median([r[key] for r in runs if r[key] is not None] or [float("nan")])
                       for key in runs[0]} for name, runs in results.items()}
+    medians = {name: {k: (None if v != v else v) for k, v in row.items()} for name, row in medians.items()}
     (out / "summary.json").write_text(json.dumps({"args": vars(args), "runs": results, "medians": medians}, indent=2))
     print(json.dumps(medians, indent=2))
     return 0

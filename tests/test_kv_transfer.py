@@ -230,3 +230,17 @@ def test_mismatched_block_size_refused_at_handshake(engines):
         asyncio.run(asyncio.sleep(0.05))
     assert not engines["prefill"].engine.kv_connector.scheduler_side.leases
     _invariants(engines["prefill"])
+
+
+def test_gantt_segments_show_remote_prefill_and_transfer():
+    from twophase.report.plots import request_segments
+    from twophase.report.report import RequestRecord
+    from twophase.request import RequestTimeline, ScheduledEvent
+
+    tl = RequestTimeline(arrival_time=10.0, token_times=[10.5, 10.6], finish_time=10.6, remote_prefill_time=0.5,
+                         kv_transfer_start=10.1, kv_transfer_end=10.3)
+    tl.scheduled = [ScheduledEvent(10.4, 5, True, 10.5), ScheduledEvent(10.5, 1, False, 10.6)]
+    segs = request_segments(RequestRecord("r", tl), t0=9.0)
+    rounded = {k: [(round(a, 6), round(b, 6)) for a, b in v] for k, v in segs.items()}
+    assert rounded == {"remote_prefill": [(0.5, 0.5)], "queue": [(1.0, 0.1)], "transfer": [(1.1, 0.2)],
+                       "waiting": [(1.3, 0.1)], "prefill": [(1.4, 0.1)], "decode": [(1.5, 0.1)]}
