@@ -226,6 +226,10 @@ def test_bad_kv_transfer_params(servers):
     body["kv_transfer_params"] = {"do_remote_decode": True}
     resp = httpx.post(f"{servers['colocated'].base_url}/v1/completions", json=body, timeout=30)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "kv_transfer_params"  # colocated: refused
-    body["n"] = 2
+    body["stream"] = True
+    resp = httpx.post(f"{servers['prefill'].base_url}/v1/completions", json=body, timeout=30)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "stream"
+    body.update(stream=False, n=2)
     resp = httpx.post(f"{servers['prefill'].base_url}/v1/completions", json=body, timeout=30)
     assert resp.status_code == 400 and "n=1" in resp.json()["error"]["message"]
+    assert kv_state(servers["prefill"])["num_leases"] == 0  # refused before anything was queued

@@ -102,8 +102,9 @@ def submit_all(llm: AsyncLLM, choices: list[Choice], cache_salt: str | None,
     ``setup`` is applied to each engine request before it is queued (e.g. its KV transfer parameters)."""
     requests = [llm.make_request(c.prompt_ids, c.params, c.request_id, cache_salt, num_ahead=i)
                 for i, c in enumerate(choices)]  # fmt: skip
-    for request in requests if setup is not None else ():
-        setup(request)
+    if setup is not None:
+        for request in requests:
+            setup(request)
     return [llm.submit(r) for r in requests]
 
 

@@ -35,6 +35,9 @@ def take_kv_params(body: BaseModel, app: Any) -> dict[str, Any] | None:
         raise APIError(400, f"{PARAM} must be an object", PARAM, "invalid_value")
     if connector.role == "prefill" and params.get("do_remote_decode") is not True:
         raise APIError(400, f'a prefill server expects {PARAM} {{"do_remote_decode": true}}', PARAM, "invalid_value")
+    if connector.role == "prefill" and getattr(body, "stream", False):
+        raise APIError(400, "a prefill leg is not streamed (its answer carries the KV handle)", "stream",
+                       "invalid_value")
     if connector.role == "decode":
         try:
             RemoteHandle.from_params(params)

@@ -31,7 +31,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 logger = logging.getLogger("twophase.proxy")
 COMPLETION_ROUTES = ("/v1/completions", "/v1/chat/completions")
-PASS_HEADERS = ("content-type", "cache-control")
+PASS_HEADERS = ("content-type", "cache-control", "retry-after")
+FORWARD_HEADERS = ("authorization", "x-api-key")  # the client's credentials travel to both legs
 
 
 @dataclass
@@ -129,30 +130,32 @@ class Proxy:
             return error_response(400, "request body is not valid JSON", None, "invalid_json")
         if not isinstance(body, dict):
             return error_response(400, "request body must be a JSON object", None, "invalid_value")
+        headers = {k: v for k, v in raw.headers.items() if k.lower() in FORWARD_HEADERS}
         if not self.pool.disaggregated:
             replica = self.pool.pick("replica")
-            return await self._forward(raw, replica, route, body) if replica else _no_server("replica")
+            return await self._forward(raw, replica, route, body, headers) if replica else _no_server("replica")
         prefill, decode = self.pool.pick("prefill"), self.pool.pick("decode")
         if prefill is None or decode is None:
             return _no_server("prefill" if prefill is None else "decode")
         started = time.monotonic()
-        leg = await _until_disconnect(raw, self._prefill(prefill, route, body))
+        leg = await _until_disconnect(raw, self._prefill(prefill, route, body, headers))
         if leg is None:
             return Response(status_code=499)
         if isinstance(leg, Response):
             return leg
         handle = {**leg, "remote_prefill_s": time.monotonic() - started}
-        release = lambda: asyncio.ensure_future(self._release(prefill, handle))  # noqa: E731
-        return await self._forward(raw, decode, route, {**body, "kv_transfer_params": handle}, release)
+        release = lambda: asyncio.ensure_future(self._release(prefill, handle, headers))  # noqa: E731
+        return await self._forward(raw, decode, route, {**body, "kv_transfer_params": handle}, headers, release)
 
-    async def _prefill(self, backend: Backend, route: str, body: dict[str, Any]) -> dict[str, Any] | Response:
+    async def _prefill(self, backend: Backend, route: str, body: dict[str, Any],
+                       headers: dict[str, str]) -> dict[str, Any] | Response:
         """The prefill leg: the handle from its answer, or the error response to pass on."""
         leg = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "min_tokens", "logprobs",
                                                           "top_logprobs", "max_completion_tokens")}
         leg.update(max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
         backend.num_in_flight += 1
         try:
-            resp = await self.client.post(f"{backend.url}{route}", json=leg)
+            resp = await self.client.post(f"{backend.url}{route}", json=leg, headers=headers)
         except httpx.HTTPError as exc:
             return _upstream_error(backend, exc)
         finally:
@@ -165,13 +168,13 @@ class Proxy:
                                   "with --kv-role prefill?)", None, "upstream_error")
         return handle
 
-    async def _release(self, backend: Backend, handle: dict[str, Any]) -> None:
+    async def _release(self, backend: Backend, handle: dict[str, Any], headers: dict[str, str]) -> None:
         with contextlib.suppress(httpx.HTTPError):
             await self.client.post(f"{backend.url}/v1/kv_transfer/release",
-                                   json={"request_id": handle["remote_request_id"]}, timeout=5.0)
+                                   json={"request_id": handle["remote_request_id"]}, headers=headers, timeout=5.0)
 
     async def _forward(self, raw: Request, backend: Backend, route: str, body: dict[str, Any],
-                       on_done=None) -> Response:
+                       headers: dict[str, str], on_done=None) -> Response:
         """Send ``body`` to ``backend`` and pass its answer (streamed or not) to the client; ``on_done`` runs
         once the upstream exchange is over, however it ended."""
         backend.num_in_flight += 1
@@ -186,7 +189,7 @@ class Proxy:
                     on_done()
 
         try:
-            request = self.client.build_request("POST", f"{backend.url}{route}", json=body)
+            request = self.client.build_request("POST", f"{backend.url}{route}", json=body, headers=headers)
             resp = await _until_disconnect(raw, self.client.send(request, stream=True))
             if resp is None:
                 end()
