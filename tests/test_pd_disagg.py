@@ -44,7 +44,7 @@ def servers(tmp_path_factory):
             procs[name].wait_healthy()
         yield procs
     finally:
-        for proc in procs.values():
+        for proc in reversed(list(procs.values())):  # proxies first: their keep-alive connections close
             proc.stop()
 
 
