@@ -67,6 +67,7 @@ def engine_config_from_args(args: argparse.Namespace):
     """EngineConfig from the shared engine options."""
     from twophase.config import CacheConfig, EngineConfig, SchedulerConfig
     from twophase.steptime.cli import budget_fields
+    from twophase.server.cli import kv_transfer_config
 
     cache = CacheConfig(
         block_size=args.block_size,
@@ -84,7 +85,7 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, cache=cache, scheduler=scheduler,
         quantization=args.quantization, attention_backend=args.attention_backend,
-        linear_backend=args.linear_backend, num_threads=args.threads,
+        linear_backend=args.linear_backend, num_threads=args.threads, kv_transfer=kv_transfer_config(args),
     )  # fmt: skip
 
 

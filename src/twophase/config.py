@@ -136,6 +136,23 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation (see kv_transfer/): ``role`` both = colocated, no transfer at all."""
+
+    role: str = "both"  # both | prefill | decode
+    host: str = "127.0.0.1"  # where a prefill engine serves its leased blocks
+    port: int = 0  # 0: a free port (advertised in each prefill response)
+    advertise_host: str | None = None  # the address decode engines should dial (default: host)
+    lease_timeout_s: float = 30.0  # a finished prefill's blocks are freed if nobody reads them by then
+    transfer_timeout_s: float = 10.0  # bound on every exchange with a remote engine
+
+    @property
+    def advertised_host(self) -> str:
+        """The address put into prefill responses."""
+        return self.advertise_host or ("127.0.0.1" if self.host in ("0.0.0.0", "") else self.host)
+
+
+@dataclass(frozen=True)
 class EngineConfig:
     """Everything the engine needs, passed as sub-configs."""
 
@@ -149,3 +166,4 @@ class EngineConfig:
     num_threads: int | None = None  # intra-op threads; None: the physical cores
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)

@@ -113,6 +113,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # for all generated tokens so far
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for this step's new tokens
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    error: str | None = None  # set when the request failed (e.g. its KV transfer); the caller reports an error
 
 
 @dataclass

@@ -70,6 +70,12 @@ class LLMEngine:
             self.model_runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.scheduler_config, block_manager)
+        self.kv_connector = None  # kv_transfer.connector.KVConnector in a prefill or decode role
+        if config.kv_transfer.role != "both":
+            from twophase.kv_transfer.connector import KVConnector
+
+            self.kv_connector = KVConnector(config.kv_transfer, self)
+            self.scheduler.kv_connector = self.kv_connector.scheduler_side
         self.output_processor = OutputProcessor(self.tokenizer.backend)
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.step_records: collections.deque[StepRecord] = collections.deque(maxlen=MAX_STEP_RECORDS)
@@ -164,10 +170,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and turn the results into outputs."""
         start = time.monotonic()
+        failed = self.kv_connector.apply_finished(self) if self.kv_connector else []  # remote K/V arrived or not
         scheduler_output = self.scheduler.schedule()
+        if self.kv_connector:
+            self.kv_connector.start_loads()
         runner_output = self.model_runner.execute(scheduler_output)
         updates = self.scheduler.update(scheduler_output, runner_output)
-        outputs = [self._finish_output(update) for update in updates]
+        outputs = failed + [self._finish_output(update) for update in updates]
         self._record_step(scheduler_output, start)
         return outputs
 

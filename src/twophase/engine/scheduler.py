@@ -49,6 +49,7 @@ class Scheduler:
         self.num_preemptions = 0
         self._step_id = 0
         self._finished_request_ids: list[str] = []  # ended since the last step; the runner drops their state
+        self.kv_connector = None  # kv_transfer.SchedulerConnector when this engine sends or receives KV blocks
 
     # ---- admission -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -127,8 +128,15 @@ class Scheduler:
         """Admit waiting requests FCFS while budget, sequence slots and blocks last. With chunked prefill off a
         prompt is scheduled whole: one longer than the budget (up to ``max_model_len``, see ``check_feasible``)
         runs alone as the first thing of a step, else it waits for the next step (as vLLM does)."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + self._num_loading < self.config.max_num_seqs:
             request = self.waiting[0]
+            if self.kv_connector is not None:  # P/D: a request whose prompt K/V come from a remote worker
+                action = self.kv_connector.start_load(request)
+                if action == "blocked":
+                    break
+                if action == "load":
+                    self.waiting.popleft()
+                    continue
             hit_blocks, num_hit_tokens = self.block_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if self.config.enable_chunked_prefill:
@@ -147,6 +155,15 @@ class Scheduler:
             self.running.append(request)
             self._add_scheduled(output, request, num_new, now)
             budget -= num_new
+
+    @property
+    def _num_loading(self) -> int:
+        return self.kv_connector.num_loading if self.kv_connector is not None else 0
+
+    def resume(self, request: Request) -> None:
+        """A request whose remote K/V arrived joins the running list (its tail is computed next step)."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
 
     def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int, now: float) -> None:
         start = request.num_computed_tokens
@@ -224,7 +241,8 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.block_manager.free(request)
+        if self.kv_connector is None or not self.kv_connector.on_finish(request, status):
+            self.block_manager.free(request)  # else leased for a remote reader
         if request.timeline.scheduled:  # the runner holds its state
             self._finished_request_ids.append(request_id)
         request.status = status
@@ -236,11 +254,14 @@ class Scheduler:
     @property
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._num_loading)
 
     def check_invariants(self) -> None:
         """Assert the scheduler's and the block manager's books agree."""
-        self.block_manager.check_invariants(live_request_ids=set(self.requests))
+        leased = set(self.kv_connector.leases) if self.kv_connector is not None else set()
+        self.block_manager.check_invariants(live_request_ids=set(self.requests) | leased)
+        if self.kv_connector is not None:
+            self.kv_connector.check_invariants()
         assert len(self.running) <= self.config.max_num_seqs
         for request in self.running:
             assert request.status == RequestStatus.RUNNING

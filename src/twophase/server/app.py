@@ -15,6 +15,7 @@ from twophase.metrics.records import RecordRing
 from twophase.server.auth import APIKeyMiddleware
 from twophase.server.dashboard import DASHBOARD_HTML
 from twophase.server.errors import error_response, install_error_handlers
+from twophase.server.kv_routes import router as kv_router
 from twophase.server.limits import BodySizeLimitMiddleware
 from twophase.server.protocol import DetokenizeRequest, TokenizeRequest
 from twophase.server.routes import check_model, router
@@ -34,6 +35,9 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     llm.stat_loggers.append(goodput)
     install_error_handlers(app)
     app.include_router(router)
+    if llm.engine.kv_connector is not None:
+        app.include_router(kv_router)
+        app.state.prometheus.track_kv_transfers(llm.engine.kv_connector.scheduler_side.counters)
     _add_info_routes(app)
     _add_token_routes(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)

@@ -74,6 +74,8 @@ def run_server(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     engine = LLMEngine(engine_config_from_args(args), progress=False)
     llm = AsyncLLM(engine)
+    if engine.kv_connector is not None:
+        engine.kv_connector.attach(llm.call_in_loop)
     llm.start()
     app = build_app(llm, settings)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -84,4 +86,6 @@ def run_server(args: argparse.Namespace) -> int:
         server.run()
     finally:
         llm.shutdown()
+        if engine.kv_connector is not None:
+            engine.kv_connector.close()
     return 0 if server.started else 1

@@ -200,6 +200,8 @@ class Timings(BaseModel):
     cached_n: int = 0
     predicted_n: int = 0
     predicted_per_second: float | None = None
+    remote_prefill_ms: float | None = None  # P/D: the prefill leg on the prefill server (client TTFT adds it)
+    kv_transfer_ms: float | None = None  # P/D: reading the prompt's KV blocks (inside ttft_ms)
 
 
 class PromptTokensDetails(BaseModel):

@@ -21,6 +21,7 @@ from twophase.server.protocol import (
     ChatChoice, ChatCompletionRequest, ChatCompletionResponse, ChatMessageOut, CompletionChoice, CompletionRequest,
     CompletionResponse, DeltaMessage, random_id,
 )  # fmt: skip
+from twophase.server.kv_routes import request_setup, response_params, take_kv_params
 from twophase.server.settings import ServerSettings
 from twophase.server.sse import DONE, HEADERS, MEDIA_TYPE, sse_event
 
@@ -39,6 +40,7 @@ class Job:
     choices: list[Choice]
     num_top_logprobs: int | None
     include_usage: bool
+    kv_params: dict | None = None  # kv_transfer_params of a P/D leg (see server/kv_routes.py)
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -54,6 +56,7 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Response:
     """OpenAI text completions."""
     llm, settings = raw.app.state.llm, raw.app.state.settings
     check_model(body.model, settings)
+    kv_params = take_kv_params(body, raw.app)
     check_fields(body, "completions")
     check_caps(body, settings, body.logprobs)
     prompts = prompt_list(body.prompt, settings.max_prompts)
@@ -62,7 +65,7 @@ async def create_completion(body: CompletionRequest, raw: Request) -> Response:
     response_id = random_id("cmpl")
     choices = make_choices(response_id, prompt_ids, params, body.n or 1)
     return await _run(raw, body, Job(False, response_id, settings.model_name, body.n or 1, choices, body.logprobs,
-                                     _include_usage(body)))
+                                     _include_usage(body), kv_params))
 
 
 @router.post("/v1/chat/completions", response_model=None)
@@ -70,6 +73,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
     """OpenAI chat completions (the model's chat template, rendered in a sandbox)."""
     llm, settings = raw.app.state.llm, raw.app.state.settings
     check_model(body.model, settings)
+    kv_params = take_kv_params(body, raw.app)
     check_fields(body, "chat.completions")
     if body.chat_template is not None and not settings.allow_request_chat_template:
         raise APIError(400, "chat_template in a request is disabled on this server "
@@ -84,7 +88,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
     response_id = random_id("chatcmpl")
     choices = make_choices(response_id, [ids], params, body.n or 1)
     return await _run(raw, body, Job(True, response_id, settings.model_name, body.n or 1, choices, num_top,
-                                     _include_usage(body)))
+                                     _include_usage(body), kv_params))
 
 
 def render_chat_ids(llm: AsyncLLM, body: ChatCompletionRequest) -> list[int]:
@@ -103,7 +107,8 @@ def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
 
 async def _run(raw: Request, body, job: Job) -> Response:
     llm: AsyncLLM = raw.app.state.llm
-    queues = submit_all(llm, job.choices, body.cache_salt)  # raises (nothing queued) on bad input / full queue
+    setup = request_setup(job.kv_params, len(job.choices))
+    queues = submit_all(llm, job.choices, body.cache_salt, setup)  # raises (nothing queued) on bad input / full queue
     stream = merge_outputs(llm, job.choices, queues)
     token_text = _token_text(llm)
     if body.stream:
@@ -111,7 +116,12 @@ async def _run(raw: Request, body, job: Job) -> Response:
     finals = await collect_finals(raw, stream, raw.app.state.settings.disconnect_poll_s)
     if finals is None:
         return Response(status_code=499)  # the client is gone; nobody reads this
-    return JSONResponse(_full_response(job, finals, token_text).model_dump(exclude_none=True))
+    payload = _full_response(job, finals, token_text).model_dump(exclude_none=True)
+    handle = response_params(raw.app, job.choices[0].request_id, len(job.choices[0].prompt_ids)) \
+        if job.kv_params is not None else None
+    if handle is not None:
+        payload["kv_transfer_params"] = handle
+    return JSONResponse(payload)
 
 
 def _token_text(llm: AsyncLLM):
