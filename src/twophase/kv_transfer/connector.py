@@ -50,7 +50,8 @@ class KVConnector:
         self.config = config
         self.role = config.role
         self.spec = engine_spec(engine)
-        self.scheduler_side = SchedulerConnector(engine.scheduler.block_manager, config.lease_timeout_s)
+        self.scheduler_side = SchedulerConnector(engine.scheduler.block_manager, config.lease_timeout_s,
+                                                 clock=engine.scheduler.clock)
         self.worker = WorkerConnector(engine.model_runner.kv_caches, self.spec)
         self.transport = transport or ZmqTransport()
         self.port: int | None = None
@@ -78,7 +79,7 @@ class KVConnector:
     def _sweep_leases(self) -> None:
         while not self._stop.wait(0.05):
             deadline = self.scheduler_side.next_deadline
-            if deadline is not None and time.monotonic() >= deadline and self._post is not None:
+            if deadline is not None and self.scheduler_side.clock() >= deadline and self._post is not None:
                 try:
                     self.call(self.scheduler_side.expire).result(timeout=60)
                 except Exception:  # noqa: BLE001 — a dead or stuck loop must not end the sweeper
