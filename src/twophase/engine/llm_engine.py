@@ -22,6 +22,7 @@ from twophase.loader import open_model_source
 from twophase.outputs import EngineStats, RequestOutput, StepRecord
 from twophase.request import Request, RequestStatus
 from twophase.sampling_params import InvalidRequestError, SamplingParams
+from twophase.structured import StructuredOutputSpec
 from twophase.tokenizer import load_tokenizer
 
 MAX_STEP_RECORDS = 100_000
@@ -121,7 +122,7 @@ class LLMEngine:
             request.grammar = self.compile_grammar(params.structured)
         return request
 
-    def compile_grammar(self, spec):
+    def compile_grammar(self, spec: StructuredOutputSpec) -> object:
         """The compiled grammar of a structured-output spec (cached; thread-safe; InvalidRequestError when the
         schema, regex or grammar is invalid). The first call builds xgrammar's view of the tokenizer."""
         with self._grammar_lock:

@@ -26,7 +26,7 @@ from twophase.server.settings import ServerSettings
 from twophase.server.sse import DONE, HEADERS, MEDIA_TYPE, sse_event
 from twophase.server.structured_fields import structured_spec
 from twophase.server.tools import StreamingToolParser, parse_tool_calls, plan_tools, template_messages
-from twophase.sampling_params import InvalidRequestError
+from twophase.sampling_params import InvalidRequestError, SamplingParams
 from twophase.structured import StructuredOutputSpec
 
 router = APIRouter()
@@ -99,7 +99,7 @@ async def create_chat_completion(body: ChatCompletionRequest, raw: Request) -> R
                                      _include_usage(body), parse_tools=plan.parse))
 
 
-async def compile_structured(llm: AsyncLLM, params, spec: StructuredOutputSpec | None) -> None:
+async def compile_structured(llm: AsyncLLM, params: SamplingParams, spec: StructuredOutputSpec | None) -> None:
     """Attach a structured-output spec to ``params`` and compile its grammar in a worker thread (cached), so
     admission finds it ready and neither the event loop nor the engine step waits on compilation."""
     if spec is None:
