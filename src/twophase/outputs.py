@@ -35,6 +35,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...]
+    grammar: object | None = None  # compiled structured-output grammar (xgrammar), None when unconstrained
 
 
 @dataclass

@@ -84,6 +84,7 @@ class Request:
         self.num_computed_tokens = 0
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.max_output_tokens: int | None = sampling_params.max_tokens  # filled in at admission when None
+        self.grammar: object | None = None  # compiled at admission when sampling_params.structured is set
         self.timeline = RequestTimeline(arrival_time if arrival_time is not None else time.monotonic())
         self.kv_transfer_params: dict | None = None  # as sent by the client (P/D disaggregation, see kv_transfer)
         self.remote_handle = None  # kv_transfer.spec.RemoteHandle: where to read the prompt's blocks from

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import threading
 import time
 
 import logging
@@ -22,6 +23,7 @@ from twophase.outputs import EngineStats, RequestOutput, StepRecord
 from twophase.request import Request, RequestStatus
 from twophase.sampling_params import InvalidRequestError, SamplingParams
 from twophase.steptime.features import make_step_record
+from twophase.structured import StructuredOutputSpec
 from twophase.tokenizer import load_tokenizer
 
 MAX_STEP_RECORDS = 100_000
@@ -80,6 +82,8 @@ class LLMEngine:
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.step_records: collections.deque[StepRecord] = collections.deque(maxlen=MAX_STEP_RECORDS)
         self._ids = itertools.count()
+        self._grammar_compiler = None  # built on the first structured-output request
+        self._grammar_lock = threading.Lock()
 
     @property
     def max_model_len(self) -> int:
@@ -121,7 +125,20 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )  # fmt: skip
         self.scheduler.check_admission(request, num_ahead)
+        if params.structured is not None:
+            request.grammar = self.compile_grammar(params.structured)
         return request
+
+    def compile_grammar(self, spec: StructuredOutputSpec) -> object:
+        """The compiled grammar of a structured-output spec (cached; thread-safe; InvalidRequestError when the
+        schema, regex or grammar is invalid). The first call builds xgrammar's view of the tokenizer."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                from twophase.structured.grammar import GrammarCompiler, tokenizer_info
+
+                info = tokenizer_info(self.tokenizer.backend, self.model_config.vocab_size, self.eos_token_ids)
+                self._grammar_compiler = GrammarCompiler(info)
+        return self._grammar_compiler.compile(spec)
 
     def enqueue(self, request: Request, detokenize: bool = True) -> None:
         """Queue a request made by ``make_request`` (mutates the scheduler: call from the stepping thread)."""

@@ -171,7 +171,8 @@ class Scheduler:
         token_ids = request.token_ids_between(start, start + num_new)
         if not request.timeline.scheduled:  # first step ever (a preempted request keeps its runner state)
             output.new_requests.append(
-                NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_ids)
+                NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params,
+                               request.eos_token_ids, request.grammar)
             )
         output.scheduled.append(
             ScheduledRequest(
