@@ -12,7 +12,7 @@ import sys
 from twophase.sampling_params import InvalidRequestError, SamplingParams
 
 # modules that add their own subcommands (each defines register(subparsers))
-COMMAND_MODULES = ("twophase.server.cli", "twophase.bench.cli", "twophase.report.cli")
+COMMAND_MODULES = ("twophase.server.cli", "twophase.bench.cli", "twophase.report.cli", "twophase.sim.cli")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,6 +48,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--no-chunked-prefill", action="store_true")
     parser.add_argument("--seed", type=int, default=0)
+    from twophase.steptime.cli import add_budget_arguments
+
+    add_budget_arguments(parser)
     add_parallel_arguments(parser)
 
 
@@ -76,6 +79,8 @@ def parse_bytes(text: str) -> int:
 def engine_config_from_args(args: argparse.Namespace):
     """EngineConfig from the shared engine options."""
     from twophase.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+    from twophase.server.cli import kv_transfer_config
+    from twophase.steptime.cli import budget_fields
 
     cache = CacheConfig(
         block_size=args.block_size,
@@ -88,6 +93,7 @@ def engine_config_from_args(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         enable_chunked_prefill=not args.no_chunked_prefill,
         max_waiting_requests=getattr(args, "max_waiting_requests", None),
+        **budget_fields(args),
     )
     parallel = ParallelConfig(
         tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
@@ -97,6 +103,7 @@ def engine_config_from_args(args: argparse.Namespace):
         model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, cache=cache, scheduler=scheduler,
         quantization=args.quantization, attention_backend=args.attention_backend,
         linear_backend=args.linear_backend, num_threads=args.threads, parallel=parallel,
+        kv_transfer=kv_transfer_config(args),
     )  # fmt: skip
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import threading
 import time
 
 import logging
@@ -21,6 +22,8 @@ from twophase.loader import open_model_source
 from twophase.outputs import EngineStats, RequestOutput, StepRecord
 from twophase.request import Request, RequestStatus
 from twophase.sampling_params import InvalidRequestError, SamplingParams
+from twophase.steptime.features import make_step_record
+from twophase.structured import StructuredOutputSpec
 from twophase.tokenizer import load_tokenizer
 
 MAX_STEP_RECORDS = 100_000
@@ -85,10 +88,18 @@ class LLMEngine:
             self.model_runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.scheduler_config, block_manager)
+        self.kv_connector = None  # kv_transfer.connector.KVConnector in a prefill or decode role
+        if config.kv_transfer.role != "both":
+            from twophase.kv_transfer.connector import KVConnector
+
+            self.kv_connector = KVConnector(config.kv_transfer, self)
+            self.scheduler.kv_connector = self.kv_connector.scheduler_side
         self.output_processor = OutputProcessor(self.tokenizer.backend)
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.step_records: collections.deque[StepRecord] = collections.deque(maxlen=MAX_STEP_RECORDS)
         self._ids = itertools.count()
+        self._grammar_compiler = None  # built on the first structured-output request
+        self._grammar_lock = threading.Lock()
 
     def close(self) -> None:
         """Stop tensor-parallel workers (no-op without them); the engine cannot step afterwards."""
@@ -140,7 +151,20 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )  # fmt: skip
         self.scheduler.check_admission(request, num_ahead)
+        if params.structured is not None:
+            request.grammar = self.compile_grammar(params.structured)
         return request
+
+    def compile_grammar(self, spec: StructuredOutputSpec) -> object:
+        """The compiled grammar of a structured-output spec (cached; thread-safe; InvalidRequestError when the
+        schema, regex or grammar is invalid). The first call builds xgrammar's view of the tokenizer."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                from twophase.structured.grammar import GrammarCompiler, tokenizer_info
+
+                info = tokenizer_info(self.tokenizer.backend, self.model_config.vocab_size, self.eos_token_ids)
+                self._grammar_compiler = GrammarCompiler(info)
+        return self._grammar_compiler.compile(spec)
 
     def enqueue(self, request: Request, detokenize: bool = True) -> None:
         """Queue a request made by ``make_request`` (mutates the scheduler: call from the stepping thread)."""
@@ -189,10 +213,13 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and turn the results into outputs."""
         start = time.monotonic()
+        failed = self.kv_connector.apply_finished(self) if self.kv_connector else []  # remote K/V arrived or not
         scheduler_output = self.scheduler.schedule()
+        if self.kv_connector:
+            self.kv_connector.start_loads()
         runner_output = self.model_runner.execute(scheduler_output)
         updates = self.scheduler.update(scheduler_output, runner_output)
-        outputs = [self._finish_output(update) for update in updates]
+        outputs = failed + [self._finish_output(update) for update in updates]
         self._record_step(scheduler_output, start)
         return outputs
 
@@ -205,17 +232,4 @@ class LLMEngine:
     def _record_step(self, scheduler_output, start: float) -> None:
         if not scheduler_output.scheduled and not scheduler_output.preempted_request_ids:
             return
-        self.step_records.append(
-            StepRecord(
-                step_id=scheduler_output.step_id,
-                start_time=start,
-                duration=time.monotonic() - start,
-                num_prompt_tokens=scheduler_output.num_prompt_tokens,
-                num_decode_tokens=scheduler_output.num_decode_tokens,
-                num_requests=len(scheduler_output.scheduled),
-                num_blocks_in_use=self.scheduler.block_manager.num_blocks_in_use,
-                num_blocks_total=self.scheduler.block_manager.num_blocks,
-                num_waiting=len(self.scheduler.waiting),
-                num_preempted=len(scheduler_output.preempted_request_ids),
-            )
-        )
+        self.step_records.append(make_step_record(scheduler_output, self.scheduler, start, time.monotonic() - start))

@@ -151,7 +151,13 @@ class ModelRunner:
 
     def _new_state(self, new: NewRequestData) -> _RequestState:
         output_token_ids: list[int] = []
-        state = self.sampler.make_state(new.sampling_params, new.prompt_token_ids, output_token_ids, new.eos_token_ids)
+        matcher = None
+        if new.grammar is not None:
+            from twophase.structured.grammar import Matcher
+
+            matcher = Matcher(new.grammar)
+        state = self.sampler.make_state(new.sampling_params, new.prompt_token_ids, output_token_ids,
+                                        new.eos_token_ids, matcher)
         return _RequestState(state, output_token_ids)
 
     @torch.inference_mode()

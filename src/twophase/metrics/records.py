@@ -74,6 +74,10 @@ def request_to_json(request_id: str, timeline: RequestTimeline, num_prompt_token
         "num_prompt_tokens": num_prompt_tokens,
         "num_cached_tokens": num_cached_tokens,
         "num_preemptions": timeline.num_preemptions,
+        "remote_prefill_time": timeline.remote_prefill_time,
+        "kv_transfer_start": timeline.kv_transfer_start,
+        "kv_transfer_end": timeline.kv_transfer_end,
+        "kv_transfer_bytes": timeline.kv_transfer_bytes,
     }
 
 
@@ -97,5 +101,9 @@ def timeline_from_json(d: dict) -> RequestTimeline:
         finish_time=d.get("finish_time"),
         finish_reason=d.get("finish_reason"),
         num_preemptions=int(d.get("num_preemptions", 0)),
+        remote_prefill_time=d.get("remote_prefill_time"),
+        kv_transfer_start=d.get("kv_transfer_start"),
+        kv_transfer_end=d.get("kv_transfer_end"),
+        kv_transfer_bytes=int(d.get("kv_transfer_bytes") or 0),
     )
 
