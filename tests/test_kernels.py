@@ -182,3 +182,73 @@ def test_paged_attention_rejects_out_of_range_block() -> None:
     tables[2, 0] = kc.shape[0] // 16  # one past the last block
     with pytest.raises(RuntimeError, match="outside the cache"):
         K.paged_attention(torch.empty_like(q), q, kc, vc, tables, seq_lens, qsl, 16, scale)
+
+
+# ---- fused layer ops (csrc/fused.cpp) against LayerOps' eager torch path --------------------------------------
+# float32: the kernels sum in a different order (and may contract a*b+c into one FMA), so results agree to a few
+# ulps of the values (|x| <~ 10 here): 1e-5 absolute. bfloat16: every op's result is rounded to bf16 as in eager
+# torch, and the float32 intermediates differ by far less than half a bf16 ulp, so the results are bit-identical.
+from twophase.model.layers import RotaryEmbedding  # noqa: E402
+from twophase.model.ops.fused import LayerOps, Rope  # noqa: E402
+
+EAGER, FUSED = LayerOps(None), LayerOps(K)
+
+
+def assert_matches(fast: torch.Tensor, ref: torch.Tensor) -> None:
+    if ref.dtype == torch.bfloat16:
+        assert torch.equal(fast, ref)
+    else:
+        torch.testing.assert_close(fast, ref, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_norms_and_silu(rows: int, dtype: torch.dtype) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x = (torch.randn(rows, 576, generator=g) * 3).to(dtype)
+    weight = (1 + 0.1 * torch.randn(576, generator=g)).to(dtype)
+    assert_matches(FUSED.rms_norm(x, weight, 1e-5), EAGER.rms_norm(x, weight, 1e-5))
+    residual = torch.randn(rows, 576, generator=g).to(dtype)
+    x_ref, res_ref, x_fast, res_fast = x.clone(), residual.clone(), x.clone(), residual.clone()
+    EAGER.add_rms_norm_(x_ref, res_ref, weight, 1e-5)
+    FUSED.add_rms_norm_(x_fast, res_fast, weight, 1e-5)
+    assert torch.equal(res_fast, res_ref)  # one rounded add either way
+    assert_matches(x_fast, x_ref)
+    gate_up = (torch.randn(rows, 2 * 200, generator=g) * 4).to(dtype)  # F = 200: an AVX tail too
+    assert_matches(FUSED.silu_and_mul(gate_up), EAGER.silu_and_mul(gate_up))
+
+
+class _RopeConfig:
+    head_dim, rope_theta, rope_scaling_dict = 64, 100000.0, None
+
+
+@pytest.mark.parametrize("rows", [1, 5, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_rotary_cache(rows: int, dtype: torch.dtype) -> None:
+    heads, kv_heads, d = 9, 3, 64
+    g = torch.Generator().manual_seed(rows)
+    rotary = RotaryEmbedding(_RopeConfig, 4096)
+    positions = torch.randint(0, 4096, (rows,), generator=g)
+    slots = torch.randperm(256, generator=g)[:rows]
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
+    cos, sin = rotary(positions, dtype)
+    ref_qkv, fast_qkv = qkv.clone(), qkv.clone()
+    caches = [torch.full((256, kv_heads, d), 7.0, dtype=dtype) for _ in range(4)]
+    EAGER.rotary_cache_(ref_qkv, Rope(positions, rotary.cos, rotary.sin, cos, sin), caches[0], caches[1], slots,
+                        heads, kv_heads)  # fmt: skip
+    FUSED.rotary_cache_(fast_qkv, Rope(positions, rotary.cos, rotary.sin, None, None), caches[2], caches[3], slots,
+                        heads, kv_heads)  # fmt: skip
+    assert_matches(fast_qkv, ref_qkv)
+    assert_matches(caches[2], caches[0])
+    assert torch.equal(caches[3], caches[1])  # v is copied, untouched
+    untouched = torch.ones(256, dtype=torch.bool)
+    untouched[slots] = False
+    assert (caches[2][untouched] == 7.0).all()  # only the given slots are written
+
+
+def test_fused_rotary_cache_rejects_bad_slot() -> None:
+    qkv = torch.zeros(1, 15 * 64)
+    rotary = RotaryEmbedding(_RopeConfig, 16)
+    caches = torch.zeros(8, 3, 64), torch.zeros(8, 3, 64)
+    with pytest.raises(RuntimeError, match="slot out of range"):
+        K.rotary_cache_(qkv, torch.tensor([0]), rotary.cos, rotary.sin, *caches, torch.tensor([8]), 9, 3)

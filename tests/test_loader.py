@@ -194,3 +194,40 @@ def test_pull_downloads(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert open_model_source("smollm2-135m-instruct").config.num_hidden_layers == 30
     assert not [p for p in path.parent.iterdir() if p != path]  # no leftovers from the download
     assert os.path.getmtime(path) == os.path.getmtime(pull("smollm2-135m-instruct"))
+
+
+def test_gguf_index_cache_round_trip(llama_gguf: Path, tmp_path: Path) -> None:
+    """The second open reads the cached index, and it describes the file exactly as ``GGUFReader`` does."""
+    import gguf
+    import numpy as np
+
+    from twophase.loader import gguf_reader
+
+    cold = gguf_reader.open_gguf(llama_gguf, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+    warm = gguf_reader.open_gguf(llama_gguf, cache_dir=tmp_path)
+    reference = gguf.GGUFReader(llama_gguf)
+    expected = {k: f.contents() for k, f in reference.fields.items() if not k.startswith("GGUF.")}
+    for index in (cold, warm):
+        assert index.metadata == expected
+        assert [t.name for t in index.tensors] == [t.name for t in reference.tensors]
+        for ours, theirs in zip(index.tensors, reference.tensors):
+            assert ours.tensor_type == theirs.tensor_type and ours.shape == tuple(int(x) for x in theirs.shape)
+            assert ours.data.dtype == theirs.data.dtype and np.array_equal(ours.data, theirs.data)
+    os.utime(llama_gguf)  # a modified file gets a new entry, and the stale one is dropped
+    gguf_reader.open_gguf(llama_gguf, cache_dir=tmp_path)
+    assert len(list(tmp_path.glob("*.json"))) == 1
+
+
+def test_real_smollm2_fast_dequantization_is_ggufs(default_model: Path) -> None:
+    """Q4_1 and Q8_0 tensors dequantised through torch equal ``gguf.dequantize`` bit for bit."""
+    import gguf
+    import numpy as np
+
+    from twophase.loader import gguf_reader
+
+    tensors = gguf_reader.open_gguf(default_model).tensors
+    for kind in ("Q4_1", "Q8_0"):
+        tensor = next(t for t in tensors if t.tensor_type.name == kind)
+        expected = np.asarray(gguf.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        assert np.array_equal(gguf_reader.dequantize_tensor(tensor), expected), tensor.name

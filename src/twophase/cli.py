@@ -12,7 +12,7 @@ import sys
 from twophase.sampling_params import InvalidRequestError, SamplingParams
 
 # modules that add their own subcommands (each defines register(subparsers))
-COMMAND_MODULES = ("twophase.server.cli", "twophase.bench.cli", "twophase.report.cli")
+COMMAND_MODULES = ("twophase.server.cli", "twophase.bench.cli", "twophase.report.cli", "twophase.sim.cli")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -53,6 +53,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
         '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (vLLM spelling; off by default)',
     )  # fmt: skip
+    from twophase.steptime.cli import add_budget_arguments
+
+    add_budget_arguments(parser)
+    add_parallel_arguments(parser)
+
+
+def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
+    """Tensor-parallel options (see ``distributed/``); also read from a torchrun environment."""
+    group = parser.add_argument_group("tensor parallelism")
+    group.add_argument("--tensor-parallel-size", "--tp", type=int, default=1, help="ranks sharing each layer")
+    group.add_argument("--nnodes", type=int, default=1, help="hosts the ranks are spread over")
+    group.add_argument("--node-rank", type=int, default=0, help="this host (0 runs the engine; others only workers)")
+    group.add_argument("--master-addr", default="127.0.0.1", help="host of rank 0, where every rank meets")
+    group.add_argument("--master-port", type=int, default=0, help="port on --master-addr (0: a free one, one host)")
+    group.add_argument("--tp-timeout", type=float, default=60.0, help="seconds a collective may take before the "
+                       "engine stops with an error (a hung worker)")
 
 
 def parse_bytes(text: str) -> int:
@@ -67,8 +83,10 @@ def parse_bytes(text: str) -> int:
 
 def engine_config_from_args(args: argparse.Namespace):
     """EngineConfig from the shared engine options."""
-    from twophase.config import CacheConfig, EngineConfig, SchedulerConfig
+    from twophase.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+    from twophase.server.cli import kv_transfer_config
     from twophase.spec_decode import SpeculativeConfig
+    from twophase.steptime.cli import budget_fields
 
     cache = CacheConfig(
         block_size=args.block_size,
@@ -81,11 +99,17 @@ def engine_config_from_args(args: argparse.Namespace):
         max_model_len=args.max_model_len,
         enable_chunked_prefill=not args.no_chunked_prefill,
         max_waiting_requests=getattr(args, "max_waiting_requests", None),
+        **budget_fields(args),
     )
+    parallel = ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
+        master_addr=args.master_addr, master_port=args.master_port, timeout_s=args.tp_timeout,
+    )  # fmt: skip
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, cache=cache, scheduler=scheduler,
         quantization=args.quantization, attention_backend=args.attention_backend,
-        linear_backend=args.linear_backend, num_threads=args.threads,
+        linear_backend=args.linear_backend, num_threads=args.threads, parallel=parallel,
+        kv_transfer=kv_transfer_config(args),
         speculative_config=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
     )  # fmt: skip
 
@@ -212,6 +236,10 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point: run a command, turning expected errors into one line."""
     args = build_parser().parse_args(argv)
     try:
+        if hasattr(args, "tensor_parallel_size"):
+            worker_status = _run_worker_host(args)
+            if worker_status is not None:
+                return worker_status
         return int(args.func(args) or 0)
     except KeyboardInterrupt:
         return 130
@@ -222,12 +250,25 @@ def main(argv: list[str] | None = None) -> int:
         raise
 
 
+def _run_worker_host(args: argparse.Namespace) -> int | None:
+    """On a host (or torchrun process) without rank 0, serve its tensor-parallel ranks instead of the command;
+    None on the engine's host."""
+    from twophase.distributed.launch import is_engine_process, run_worker_host
+
+    config = engine_config_from_args(args)
+    if is_engine_process(config.parallel):
+        return None
+    return run_worker_host(config)
+
+
 def _is_user_error(exc: Exception) -> bool:
     """Errors the user can act on (bad input, a missing or broken model) rather than bugs."""
     from twophase.config import ConfigError
+    from twophase.distributed.group import TensorParallelError
     from twophase.loader import ModelLoadError
 
-    return isinstance(exc, (InvalidRequestError, ConfigError, ModelLoadError, FileNotFoundError, ValueError))
+    user_errors = (InvalidRequestError, ConfigError, ModelLoadError, FileNotFoundError, ValueError, TensorParallelError)
+    return isinstance(exc, user_errors)
 
 
 if __name__ == "__main__":

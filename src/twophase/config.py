@@ -129,6 +129,40 @@ class SchedulerConfig:
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
     max_waiting_requests: int | None = None  # None: unbounded
+    step_budget: str = "fixed"  # fixed: max_num_batched_tokens every step | auto: SLO-aware (steptime.budget)
+    slo_itl_ms: float | None = None  # the inter-token-latency objective step_budget auto keeps each step within
+    step_time_model: str | None = None  # step-time model file (`twophase calibrate`) for step_budget auto
+    min_prefill_tokens: int = 32  # auto: the smallest prefill chunk while prompts wait
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Prefill/decode disaggregation (see kv_transfer/): ``role`` both = colocated, no transfer at all."""
+
+    role: str = "both"  # both | prefill | decode
+    host: str = "127.0.0.1"  # where a prefill engine serves its leased blocks
+    port: int = 0  # 0: a free port (advertised in each prefill response)
+    advertise_host: str | None = None  # the address decode engines should dial (default: host)
+    lease_timeout_s: float = 30.0  # a finished prefill's blocks are freed if nobody reads them by then
+    transfer_timeout_s: float = 10.0  # bound on every exchange with a remote engine
+
+    @property
+    def advertised_host(self) -> str:
+        """The address put into prefill responses."""
+        return self.advertise_host or ("127.0.0.1" if self.host in ("0.0.0.0", "") else self.host)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Tensor parallelism (see ``distributed/``): ranks, hosts and where they meet. ``master_port`` 0 picks a
+    free port (one host only); ``timeout_s`` bounds a collective, so a hung worker stops the engine."""
+
+    tensor_parallel_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    master_addr: str = "127.0.0.1"
+    master_port: int = 0
+    timeout_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -146,3 +180,5 @@ class EngineConfig:
     speculative_config: Any = None  # None (off), or a dict / JSON string / spec_decode.SpeculativeConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)

@@ -37,6 +37,7 @@ class NewRequestData:
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     eos_token_ids: tuple[int, ...]
+    grammar: object | None = None  # compiled structured-output grammar (xgrammar), None when unconstrained
 
 
 @dataclass
@@ -54,6 +55,8 @@ class SchedulerOutput:
     num_blocks_in_use: int = 0
     new_requests: list[NewRequestData] = field(default_factory=list)
     finished_request_ids: list[str] = field(default_factory=list)
+    token_budget: int = 0  # the step's token budget (from the scheduler's budget policy)
+    predicted_duration: float | None = None  # the policy's prediction for this batch (None without a model)
 
     @property
     def num_tokens(self) -> int:
@@ -124,6 +127,7 @@ class RequestOutput:
     logprobs: list[TokenLogprobs] = field(default_factory=list)  # for all generated tokens so far
     new_logprobs: list[TokenLogprobs] = field(default_factory=list)  # for this step's new tokens
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
+    error: str | None = None  # set when the request failed (e.g. its KV transfer); the caller reports an error
 
 
 @dataclass
@@ -143,6 +147,14 @@ class StepRecord:
     num_output_tokens: int = 0  # tokens the step produced (more than its sampled rows with speculation)
     num_draft_tokens: int = 0  # proposals verified in the step
     num_accepted_tokens: int = 0  # proposals accepted
+    # the step's mix beyond the token counts (steptime.features): any records dump is calibration data
+    prefill_rows: int = 0
+    prefill_attention_pairs: int = 0
+    decode_rows: int = 0
+    decode_context_tokens: int = 0
+    sampled_rows: int = 0
+    token_budget: int = 0  # the budget the scheduler's policy gave this step
+    predicted_duration: float | None = None  # the budget policy's step-time prediction, when it has a model
 
     @property
     def phase(self) -> str:

@@ -15,6 +15,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     PREEMPTED = "preempted"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # blocks allocated; K/V arriving from a prefill worker
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -49,6 +50,10 @@ class RequestTimeline:
     num_drafts: int = 0  # steps that verified proposals (speculative decoding)
     num_draft_tokens: int = 0  # proposals verified
     num_accepted_tokens: int = 0  # proposals accepted
+    remote_prefill_time: float | None = None  # seconds the prefill leg took on a remote worker (P/D disaggregation)
+    kv_transfer_start: float | None = None  # when this engine started reading the prompt's blocks from a remote
+    kv_transfer_end: float | None = None  # when they were written into its cache
+    kv_transfer_bytes: int = 0
 
     @property
     def first_scheduled_time(self) -> float | None:
@@ -84,7 +89,10 @@ class Request:
         self.num_cached_tokens = 0  # prompt tokens served from the prefix cache at first admission
         self.max_output_tokens: int | None = sampling_params.max_tokens  # filled in at admission when None
         self.spec_token_ids: list[int] = []  # proposals for the next step (speculative decoding)
+        self.grammar: object | None = None  # compiled at admission when sampling_params.structured is set
         self.timeline = RequestTimeline(arrival_time if arrival_time is not None else time.monotonic())
+        self.kv_transfer_params: dict | None = None  # as sent by the client (P/D disaggregation, see kv_transfer)
+        self.remote_handle = None  # kv_transfer.spec.RemoteHandle: where to read the prompt's blocks from
 
     @property
     def num_prompt_tokens(self) -> int:

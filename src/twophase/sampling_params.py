@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from twophase.structured.spec import StructuredOutputSpec
 
 MAX_LOGIT_BIAS = 100.0
 
@@ -42,6 +45,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # None: every token; else only these may be sampled
     bad_words: list[str] = field(default_factory=list)  # never generate these (token sequences, as vLLM)
     bad_words_token_ids: list[list[int]] = field(default_factory=list)  # derived by ``resolve``
+    structured: StructuredOutputSpec | None = None  # the output must match this grammar (twophase.structured)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -96,6 +100,9 @@ class SamplingParams:
                                           "allowed_token_ids")
         if any(not isinstance(w, str) or not w.strip() for w in self.bad_words):
             raise InvalidRequestError("bad_words must be non-empty strings", "bad_words")
+        if self.structured is not None and self.ignore_eos:
+            raise InvalidRequestError("ignore_eos cannot be combined with structured outputs (a grammar ends the "
+                                      "output with EOS)", "ignore_eos")
 
     def resolve(self, vocab_size: int, encode: Callable[[str], list[int]]) -> None:
         """Check token ids against the vocabulary and tokenize ``bad_words`` (needs the model's tokenizer).

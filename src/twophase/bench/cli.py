@@ -40,7 +40,7 @@ def register(subparsers: argparse._SubParsersAction) -> argparse._SubParsersActi
 
 
 def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
-    """Every `bench serve` flag."""
+    """Every `bench serve` flag: the server connection, then the workload (shared with `twophase sim`)."""
     add = parser.add_argument
     add("--base-url", default=None, help="server URL; default http://HOST:PORT")
     add("--host", default="127.0.0.1")
@@ -48,6 +48,21 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--endpoint", default="/v1/completions", choices=["/v1/completions", "/v1/chat/completions"])
     add("--model", default=None, help="model name sent in requests; default: the first of GET /v1/models")
     add("--tokenizer", default=None, help="local tokenizer (HF dir, .gguf, store name); default: server /tokenize")
+    add_workload_arguments(parser)
+    add("--num-warmups", type=int, default=0)
+    add("--ready-check-timeout-sec", type=int, default=600, help="0 skips the initial test request")
+    add("--ignore-eos", action="store_true", help="(always on for the random dataset, as in vLLM)")
+    add("--temperature", type=float, default=None)
+    add("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
+    add("--disable-tqdm", action="store_true")
+    add("--sweep", default=None, metavar="rate=1,2,4 | concurrency=1,4,16",
+        help="run once per request rate or concurrency level; prints the latency-throughput table")
+    add("--plot", nargs="?", const="", default=None, metavar="PNG", help="latency-throughput PNG (also with --sweep)")
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    """The workload, traffic, SLO and result flags (`bench serve` and `twophase sim`)."""
+    add = parser.add_argument
     add("--label", default=None, help="result file label (default: twophase)")
     add("--dataset-name", default="random", choices=["random", "prefix-repetition", "sharegpt", "custom"])
     add("--dataset-path", default=None, help="ShareGPT JSON or custom JSONL file")
@@ -64,24 +79,15 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--request-rate", type=float, default=float("inf"), help="requests/s; inf sends all at once")
     add("--burstiness", type=float, default=1.0, help="gamma shape of the arrival gaps; 1 = Poisson")
     add("--max-concurrency", type=int, default=None)
-    add("--num-warmups", type=int, default=0)
-    add("--ready-check-timeout-sec", type=int, default=600, help="0 skips the initial test request")
     add("--seed", type=int, default=0)
-    add("--ignore-eos", action="store_true", help="(always on for the random dataset, as in vLLM)")
-    add("--temperature", type=float, default=None)
-    add("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
-    add("--disable-tqdm", action="store_true")
     add("--percentile-metrics", default="ttft,tpot,itl", help="subset of ttft,tpot,itl,e2el")
     add("--metric-percentiles", default="99", help="e.g. 50,90,99")
     add("--goodput", nargs="+", default=None, metavar="KEY:MS", help="SLOs, e.g. ttft:500 tpot:50 e2el:5000")
     add("--slo-attainment", type=float, default=0.9, help="attainment a sweep point needs to pass the SLO")
-    add("--sweep", default=None, metavar="rate=1,2,4 | concurrency=1,4,16",
-        help="run once per request rate or concurrency level; prints the latency-throughput table")
     add("--save-result", action="store_true")
     add("--save-detailed", action="store_true", help="include per-request lists in the JSON")
     add("--result-dir", default=None)
     add("--result-filename", default=None)
-    add("--plot", nargs="?", const="", default=None, metavar="PNG", help="latency-throughput PNG (also with --sweep)")
 
 
 def load_config(args: argparse.Namespace, base_url: str, model: str) -> LoadConfig:

@@ -59,8 +59,9 @@ class AsyncLLM:
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start the step loop."""
+        """Start the step loop (and stop it, with an error, if a tensor-parallel worker exits)."""
         self._thread.start()
+        self.engine.watch_workers(lambda exc: self.call_in_loop(_raiser(exc)))
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop (in-flight requests are aborted) and join the thread."""
@@ -230,3 +231,12 @@ class AsyncLLM:
     def _fail_all(self, exc: BaseException) -> None:
         for request_id in list(self._streams):
             self._push(request_id, exc)
+
+
+def _raiser(exc: BaseException) -> Callable[[LLMEngine], None]:
+    """A loop command that fails the loop with ``exc``."""
+
+    def fail(engine: LLMEngine) -> None:
+        raise exc
+
+    return fail

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator, Sequence
 
-from twophase.config import CacheConfig, EngineConfig, SchedulerConfig
+from twophase.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from twophase.engine.llm_engine import LLMEngine
 from twophase.outputs import RequestOutput
 from twophase.sampling_params import SamplingParams
@@ -15,16 +15,19 @@ Messages = list[dict]
 
 
 class LLM:
-    """A model in-process. Extra keyword arguments set CacheConfig / SchedulerConfig fields by name."""
+    """A model in-process. Extra keyword arguments set CacheConfig / SchedulerConfig / ParallelConfig fields by
+    name (e.g. ``tensor_parallel_size=3``)."""
 
     def __init__(self, model: str, dtype: str = "auto", device: str = "cpu", seed: int = 0, progress: bool = True, **kwargs) -> None:
         cache = _pick(CacheConfig, kwargs)
         scheduler = _pick(SchedulerConfig, kwargs)
+        parallel = _pick(ParallelConfig, kwargs)
         engine_options = {k: kwargs.pop(k) for k in list(kwargs) if k in _ENGINE_OPTIONS}
         if kwargs:
             raise TypeError(f"unknown LLM options: {sorted(kwargs)}")
         config = EngineConfig(
-            model=model, dtype=dtype, device=device, seed=seed, cache=cache, scheduler=scheduler, **engine_options
+            model=model, dtype=dtype, device=device, seed=seed, cache=cache, scheduler=scheduler, parallel=parallel,
+            **engine_options,
         )
         self.engine = LLMEngine(config, progress=progress)
         self.tokenizer = self.engine.tokenizer
@@ -89,7 +92,7 @@ class LLM:
 
 
 # EngineConfig's own scalar options (the sub-configs are filled from the remaining keyword arguments)
-_ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "dtype", "device", "seed", "cache", "scheduler"}
+_ENGINE_OPTIONS = {f.name for f in dataclasses.fields(EngineConfig)} - {"model", "dtype", "device", "seed", "cache", "scheduler", "parallel"}
 
 
 def _pick(cls, kwargs: dict):

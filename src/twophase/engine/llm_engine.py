@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import itertools
+import threading
 import time
 
 import logging
@@ -22,6 +23,8 @@ from twophase.outputs import EngineStats, RequestOutput, StepRecord
 from twophase.request import Request, RequestStatus
 from twophase.sampling_params import InvalidRequestError, SamplingParams
 from twophase.spec_decode import NgramProposer, SpeculativeConfig
+from twophase.steptime.features import make_step_record
+from twophase.structured import StructuredOutputSpec
 from twophase.tokenizer import load_tokenizer
 
 MAX_STEP_RECORDS = 100_000
@@ -42,6 +45,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtypes[name]
 
 
+def build_model_runner(config: EngineConfig, source, tp=None, progress: bool = True) -> ModelRunner:
+    """The model runner of ``config`` for an opened model source (this rank's shard under ``tp``)."""
+    from twophase.distributed.launch import threads_per_rank
+
+    device = torch.device(config.device)
+    if device.type == "cpu":
+        torch.set_num_threads(threads_per_rank(config))
+    torch.manual_seed(config.seed)
+    max_model_len = min(config.scheduler.max_model_len, source.config.max_position_embeddings)
+    options = RunnerOptions(config.quantization, config.attention_backend, config.linear_backend, config.scheduler.max_num_seqs)
+    return ModelRunner(
+        source.config, source.iter_weights(progress=progress), config.cache, max_model_len,
+        resolve_dtype(config.dtype, device), device, seed=config.seed, options=options,
+        native_weights=source.native_quantized_weights() if config.quantization in NATIVE_QUANTIZATIONS else None,
+        tp=tp,
+    )  # fmt: skip
+
+
 class LLMEngine:
     """Loads a model and steps requests through it. Not thread-safe: one caller drives ``step``."""
 
@@ -52,24 +73,28 @@ class LLMEngine:
         self.tokenizer = load_tokenizer(source)
         self.device = torch.device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or hardware.physical_cores())
         max_model_len = min(config.scheduler.max_model_len, self.model_config.max_position_embeddings)
         self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
-        torch.manual_seed(config.seed)
-        options = RunnerOptions(
-            config.quantization, config.attention_backend, config.linear_backend, config.scheduler.max_num_seqs
-        )
-        self.model_runner = ModelRunner(
-            self.model_config, source.iter_weights(progress=progress), config.cache, max_model_len,
-            self.dtype, self.device, seed=config.seed, options=options,
-            native_weights=source.native_quantized_weights() if config.quantization in NATIVE_QUANTIZATIONS else None,
-        )  # fmt: skip
+        from twophase.distributed.launch import start_engine_rank
+
+        self.tp = start_engine_rank(config, self.model_config)  # None without tensor parallelism
+        try:
+            self.model_runner = build_model_runner(config, source, self.tp, progress)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.close()
+            raise
         log.info("engine: %s", self.model_runner.describe())
         block_manager = BlockManager(
             self.model_runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching
         )
         self.scheduler = Scheduler(self.scheduler_config, block_manager)
+        self.kv_connector = None  # kv_transfer.connector.KVConnector in a prefill or decode role
+        if config.kv_transfer.role != "both":
+            from twophase.kv_transfer.connector import KVConnector
+
+            self.kv_connector = KVConnector(config.kv_transfer, self)
+            self.scheduler.kv_connector = self.kv_connector.scheduler_side
         self.output_processor = OutputProcessor(self.tokenizer.backend)
         self.eos_token_ids = tuple(sorted(set(self.model_config.eos_token_ids) | set(self.tokenizer.eos_token_ids)))
         self.step_records: collections.deque[StepRecord] = collections.deque(maxlen=MAX_STEP_RECORDS)
@@ -89,6 +114,18 @@ class LLMEngine:
                                     self.device, options)  # fmt: skip
         log.info("draft model: %s", runner.describe())
         return DraftModelProposer(runner, spec.num_speculative_tokens, self.model_config.vocab_size)
+        self._grammar_compiler = None  # built on the first structured-output request
+        self._grammar_lock = threading.Lock()
+
+    def close(self) -> None:
+        """Stop tensor-parallel workers (no-op without them); the engine cannot step afterwards."""
+        if self.tp is not None:
+            self.tp.close()
+
+    def watch_workers(self, on_failure) -> None:
+        """Call ``on_failure(error)`` (from another thread) if a tensor-parallel worker process exits."""
+        if self.tp is not None:
+            self.tp.watch(on_failure)
 
     @property
     def max_model_len(self) -> int:
@@ -130,7 +167,20 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
         )  # fmt: skip
         self.scheduler.check_admission(request, num_ahead)
+        if params.structured is not None:
+            request.grammar = self.compile_grammar(params.structured)
         return request
+
+    def compile_grammar(self, spec: StructuredOutputSpec) -> object:
+        """The compiled grammar of a structured-output spec (cached; thread-safe; InvalidRequestError when the
+        schema, regex or grammar is invalid). The first call builds xgrammar's view of the tokenizer."""
+        with self._grammar_lock:
+            if self._grammar_compiler is None:
+                from twophase.structured.grammar import GrammarCompiler, tokenizer_info
+
+                info = tokenizer_info(self.tokenizer.backend, self.model_config.vocab_size, self.eos_token_ids)
+                self._grammar_compiler = GrammarCompiler(info)
+        return self._grammar_compiler.compile(spec)
 
     def enqueue(self, request: Request, detokenize: bool = True) -> None:
         """Queue a request made by ``make_request`` (mutates the scheduler: call from the stepping thread)."""
@@ -180,11 +230,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedule, run the model once, and turn the results into outputs."""
         start = time.monotonic()
+        failed = self.kv_connector.apply_finished(self) if self.kv_connector else []  # remote K/V arrived or not
         self._propose()
         scheduler_output = self.scheduler.schedule()
+        if self.kv_connector:
+            self.kv_connector.start_loads()
         runner_output = self.model_runner.execute(scheduler_output)
         updates = self.scheduler.update(scheduler_output, runner_output)
-        outputs = [self._finish_output(update) for update in updates]
+        outputs = failed + [self._finish_output(update) for update in updates]
         self._record_step(scheduler_output, start, updates)
         return outputs
 
@@ -207,20 +260,8 @@ class LLMEngine:
     def _record_step(self, scheduler_output, start: float, updates: list) -> None:
         if not scheduler_output.scheduled and not scheduler_output.preempted_request_ids:
             return
-        self.step_records.append(
-            StepRecord(
-                step_id=scheduler_output.step_id,
-                start_time=start,
-                duration=time.monotonic() - start,
-                num_prompt_tokens=scheduler_output.num_prompt_tokens,
-                num_decode_tokens=scheduler_output.num_decode_tokens,
-                num_requests=len(scheduler_output.scheduled),
-                num_blocks_in_use=self.scheduler.block_manager.num_blocks_in_use,
-                num_blocks_total=self.scheduler.block_manager.num_blocks,
-                num_waiting=len(self.scheduler.waiting),
-                num_preempted=len(scheduler_output.preempted_request_ids),
-                num_output_tokens=sum(len(u.new_token_ids) for u in updates),
-                num_draft_tokens=sum(u.num_draft_tokens for u in updates),
-                num_accepted_tokens=sum(u.num_accepted_tokens for u in updates),
-            )
-        )
+        record = make_step_record(scheduler_output, self.scheduler, start, time.monotonic() - start)
+        record.num_output_tokens = sum(len(u.new_token_ids) for u in updates)
+        record.num_draft_tokens = sum(u.num_draft_tokens for u in updates)
+        record.num_accepted_tokens = sum(u.num_accepted_tokens for u in updates)
+        self.step_records.append(record)

@@ -7,6 +7,7 @@ ids of requests that ended since the previous step tell it what to forget.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 from dataclasses import dataclass
@@ -61,23 +62,38 @@ class ModelRunner:
         seed: int = 0,
         options: RunnerOptions | None = None,
         native_weights: dict | None = None,
+        tp=None,
     ) -> None:
         """``native_weights``: HF name → (format, tensors) of weights as stored in a GGUF file, executed as stored
-        when the quantization asks for their format (or is ``gguf``)."""
+        when the quantization asks for their format (or is ``gguf``). ``tp``: this rank's
+        ``distributed.TensorParallelGroup`` — the runner then holds only its shard (weights, KV heads)."""
         options = options or RunnerOptions()
         self.model_config = model_config
+        self.tp = tp
+        self.local_config = model_config  # the shapes this process holds (a shard of them under tensor parallelism)
+        if tp is not None:
+            from twophase.distributed.sharding import shard_native, shard_weights
+
+            self.local_config = tp.plan.local_config(model_config)
+            weights = shard_weights(weights, tp.plan, model_config)
+            native_weights = shard_native(native_weights, tp.plan, model_config)
         self.block_size = cache_config.block_size
         self.dtype = dtype
         self.device = device
         self.backend = make_attention_backend(
-            options.attention_backend, model_config.num_attention_heads, model_config.num_key_value_heads,
+            options.attention_backend, self.local_config.num_attention_heads, self.local_config.num_key_value_heads,
             model_config.head_dim, device, dtype,
         )  # fmt: skip
-        self.model = build_model(model_config, max_model_len, dtype, device, self.backend)
+        self.model = build_model(self.local_config, max_model_len, dtype, device, self.backend)
         self.model.load_weights(weights)
         self.model.eval()
         self._pack(options.quantization, options.linear_backend, native_weights)
         self.num_blocks = self._num_blocks(cache_config, max_model_len, options.max_num_seqs)
+        if tp is not None:
+            from twophase.distributed.layers import parallelize
+
+            parallelize(self.model, tp)
+            self.num_blocks = tp.agree(self.num_blocks)  # rank 0's count: the same block ids on every rank
         self.kv_caches = self._allocate_kv_caches()
         self.sampler = Sampler(model_config.vocab_size, device=device, seed=seed)
         self.requests: dict[str, _RequestState] = {}
@@ -95,7 +111,7 @@ class ModelRunner:
         self.model.pack(quantization, kernels, native_weights)
 
     def _num_blocks(self, cache_config: CacheConfig, max_model_len: int, max_num_seqs: int) -> int:
-        per_block = kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.local_config, self.block_size, self.dtype)
         if cache_config.num_blocks:
             return cache_config.num_blocks
         budget = cache_config.kv_cache_memory_bytes
@@ -105,7 +121,7 @@ class ModelRunner:
         return max(1, budget // per_block)
 
     def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (self.num_blocks * self.block_size, self.model_config.num_key_value_heads, self.model_config.head_dim)
+        shape = (self.num_blocks * self.block_size, self.local_config.num_key_value_heads, self.local_config.head_dim)
         # never zeroed (no start-up time, pages touched only when used): no backend reads a slot before it is written
         return [
             (torch.empty(shape, dtype=self.dtype, device=self.device), torch.empty(shape, dtype=self.dtype, device=self.device))
@@ -115,7 +131,7 @@ class ModelRunner:
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes held by the KV cache tensors."""
-        return self.num_blocks * kv_bytes_per_block(self.model_config, self.block_size, self.dtype)
+        return self.num_blocks * kv_bytes_per_block(self.local_config, self.block_size, self.dtype)
 
     def describe(self) -> str:
         """One line for start-up logs: weight format, kernels, attention backend, KV cache size."""
@@ -125,6 +141,7 @@ class ModelRunner:
             f"weights {weights} ({'C++ kernels' if self.linear_kernels else 'plain torch'}), attention "
             f"{self.backend.name}, KV cache {self.num_blocks} blocks x {self.block_size} = {tokens} tokens "
             f"({self.kv_cache_bytes / 2**20:.0f} MiB), {torch.get_num_threads()} threads"
+            + (f", tensor parallel {self.tp.size} (this rank: 1/{self.tp.size} of heads, MLP, vocab)" if self.tp else "")
         )
 
     def _update_states(self, scheduler_output: SchedulerOutput) -> None:
@@ -135,7 +152,13 @@ class ModelRunner:
 
     def _new_state(self, new: NewRequestData) -> _RequestState:
         output_token_ids: list[int] = []
-        state = self.sampler.make_state(new.sampling_params, new.prompt_token_ids, output_token_ids, new.eos_token_ids)
+        matcher = None
+        if new.grammar is not None:
+            from twophase.structured.grammar import Matcher
+
+            matcher = Matcher(new.grammar)
+        state = self.sampler.make_state(new.sampling_params, new.prompt_token_ids, output_token_ids,
+                                        new.eos_token_ids, matcher)
         return _RequestState(state, output_token_ids)
 
     @torch.inference_mode()
@@ -144,11 +167,12 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput()
-        batch = build_input_batch(scheduler_output, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, hidden]
-        if not batch.sample_request_ids:
-            return ModelRunnerOutput()
-        logits = self.model.compute_logits(hidden[batch.sample_token_indices]).float()  # [num_logits, vocab]
+        with self._distributed("execute", scheduler_output):
+            batch = build_input_batch(scheduler_output, self.block_size, self.device)
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, hidden]
+            if not batch.sample_request_ids:
+                return ModelRunnerOutput()
+            logits = self.model.compute_logits(hidden[batch.sample_token_indices]).float()  # [num_logits, vocab]
         if all(c == 1 for c in batch.sample_counts):
             return self._sample(logits, batch.sample_request_ids)
         return self._sample_and_verify(logits, batch.sample_request_ids, batch.sample_counts, scheduler_output)
@@ -190,6 +214,21 @@ class ModelRunner:
     @torch.inference_mode()
     def forward_logits(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
         """Logits of every token of the batch ([T, vocab], float32) — for parity tests and scoring."""
-        batch = build_input_batch(scheduler_output, self.block_size, self.device)
-        hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
-        return self.model.compute_logits(hidden).float()
+        return self.forward_logits_raw(scheduler_output).float()
+
+    @torch.inference_mode()
+    def forward_logits_raw(self, scheduler_output: SchedulerOutput) -> torch.Tensor:
+        """Logits of every token of the batch ([T, vocab]) in the model's dtype."""
+        with self._distributed("logits", scheduler_output):
+            batch = build_input_batch(scheduler_output, self.block_size, self.device)
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)
+            return self.model.compute_logits(hidden)
+
+    def _distributed(self, kind: str, scheduler_output: SchedulerOutput):
+        """Under tensor parallelism, send the other ranks what they need to run the same forward (the
+        scheduled work only: they keep no request state) and report failed collectives clearly."""
+        if self.tp is None:
+            return contextlib.nullcontext()
+        from twophase.distributed.worker import step_payload
+
+        return self.tp.step(kind, step_payload(scheduler_output))

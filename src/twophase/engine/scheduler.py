@@ -6,6 +6,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 from twophase.config import SchedulerConfig
 from twophase.kv_cache.block_manager import BlockManager
@@ -13,6 +14,9 @@ from twophase.outputs import ModelRunnerOutput, NewRequestData, ScheduledRequest
 from twophase.request import Request, RequestStatus, ScheduledEvent
 from twophase.sampling_params import InvalidRequestError
 from twophase.spec_decode.stats import SpecDecodeStats
+from twophase.steptime.budget import BudgetPolicy, make_budget_policy
+
+Clock = Callable[[], float]  # seconds; the wall clock by default, a virtual one in the simulator
 
 
 class QueueFullError(RuntimeError):
@@ -32,11 +36,16 @@ class StepUpdate:
 
 
 class Scheduler:
-    """Owns the waiting queue, the running list and the block manager."""
+    """Owns the waiting queue, the running list and the block manager. Every time it reads comes from ``clock``,
+    so the simulator runs this class unchanged in virtual time."""
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, clock: Clock = time.monotonic,
+                 budget_policy: BudgetPolicy | None = None) -> None:
         self.config = config
         self.block_manager = block_manager
+        self.clock = clock
+        self.budget_policy = budget_policy or make_budget_policy(config)
+        self._step_start = 0.0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -44,6 +53,7 @@ class Scheduler:
         self.spec_stats = SpecDecodeStats()  # acceptance of proposals (speculative decoding)
         self._step_id = 0
         self._finished_request_ids: list[str] = []  # ended since the last step; the runner drops their state
+        self.kv_connector = None  # kv_transfer.SchedulerConnector when this engine sends or receives KV blocks
 
     # ---- admission -------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -90,14 +100,16 @@ class Scheduler:
     # ---- scheduling ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         """Build this step's batch: running requests first, then waiting ones (FCFS)."""
-        now = time.monotonic()
+        now = self._step_start = self.clock()
         output = SchedulerOutput(step_id=self._step_id, finished_request_ids=self._finished_request_ids)
         self._finished_request_ids = []
         self._step_id += 1
-        budget = self._schedule_running(output, self.config.max_num_batched_tokens, now)
+        output.token_budget = self.budget_policy.step_budget(self.running, self.waiting)
+        budget = self._schedule_running(output, output.token_budget, now)
         if not output.preempted_request_ids:
             self._schedule_waiting(output, budget, now)
         output.num_blocks_in_use = self.block_manager.num_blocks_in_use
+        output.predicted_duration = self.budget_policy.predict(output)
         return output
 
     def _schedule_running(self, output: SchedulerOutput, budget: int, now: float) -> int:
@@ -131,8 +143,15 @@ class Scheduler:
         """Admit waiting requests FCFS while budget, sequence slots and blocks last. With chunked prefill off a
         prompt is scheduled whole: one longer than the budget (up to ``max_model_len``, see ``check_feasible``)
         runs alone as the first thing of a step, else it waits for the next step (as vLLM does)."""
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and len(self.running) + self._num_loading < self.config.max_num_seqs:
             request = self.waiting[0]
+            if self.kv_connector is not None:  # P/D: a request whose prompt K/V come from a remote worker
+                action = self.kv_connector.start_load(request)
+                if action == "blocked":
+                    break
+                if action == "load":
+                    self.waiting.popleft()
+                    continue
             hit_blocks, num_hit_tokens = self.block_manager.get_computed_blocks(request)
             num_new = request.num_tokens - num_hit_tokens
             if self.config.enable_chunked_prefill:
@@ -152,6 +171,15 @@ class Scheduler:
             self._add_scheduled(output, request, num_new, now)
             budget -= num_new
 
+    @property
+    def _num_loading(self) -> int:
+        return self.kv_connector.num_loading if self.kv_connector is not None else 0
+
+    def resume(self, request: Request) -> None:
+        """A request whose remote K/V arrived joins the running list (its tail is computed next step)."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def _add_scheduled(self, output: SchedulerOutput, request: Request, num_new: int, now: float) -> None:
         start = request.num_computed_tokens
         is_decode = request.num_output_tokens > 0 and start == request.num_tokens - 1
@@ -159,7 +187,8 @@ class Scheduler:
         token_ids = request.token_ids_between(start, start + num_new - len(proposals)) + proposals
         if not request.timeline.scheduled:  # first step ever (a preempted request keeps its runner state)
             output.new_requests.append(
-                NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params, request.eos_token_ids)
+                NewRequestData(request.request_id, request.prompt_token_ids, request.sampling_params,
+                               request.eos_token_ids, request.grammar)
             )
         output.scheduled.append(
             ScheduledRequest(
@@ -187,7 +216,9 @@ class Scheduler:
     # ---- results ---------------------------------------------------------------------------------
     def update(self, scheduler_output: SchedulerOutput, runner_output: ModelRunnerOutput) -> list[StepUpdate]:
         """Advance counters by the computed tokens, append sampled tokens, finish stopped requests."""
-        now = time.monotonic()
+        now = self.clock()
+        if scheduler_output.scheduled:
+            self.budget_policy.observe(scheduler_output.predicted_duration, now - self._step_start)
         updates = []
         for scheduled in scheduler_output.scheduled:
             request = self.requests.get(scheduled.request_id)
@@ -257,11 +288,12 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.block_manager.free(request)
+        if self.kv_connector is None or not self.kv_connector.on_finish(request, status):
+            self.block_manager.free(request)  # else leased for a remote reader
         if request.timeline.scheduled:  # the runner holds its state
             self._finished_request_ids.append(request_id)
         request.status = status
-        request.timeline.finish_time = time.monotonic()
+        request.timeline.finish_time = self.clock()
         request.timeline.finish_reason = status.value
         return request
 
@@ -269,11 +301,14 @@ class Scheduler:
     @property
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._num_loading)
 
     def check_invariants(self) -> None:
         """Assert the scheduler's and the block manager's books agree."""
-        self.block_manager.check_invariants(live_request_ids=set(self.requests))
+        leased = set(self.kv_connector.leases) if self.kv_connector is not None else set()
+        self.block_manager.check_invariants(live_request_ids=set(self.requests) | leased)
+        if self.kv_connector is not None:
+            self.kv_connector.check_invariants()
         assert len(self.running) <= self.config.max_num_seqs
         for request in self.running:
             assert request.status == RequestStatus.RUNNING

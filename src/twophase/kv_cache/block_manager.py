@@ -75,13 +75,15 @@ class BlockManager:
         self.stats.num_hits += num_hit_tokens
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None
+        self, request: Request, num_new_tokens: int, new_computed_blocks: list[KVBlock] | None = None,
+        cache: bool = True,
     ) -> bool:
         """Give the request blocks for ``num_computed_tokens + num_new_tokens`` tokens.
 
         ``new_computed_blocks`` are prefix-cache hits to adopt first (the caller has already counted their
         tokens in ``request.num_computed_tokens``). Returns False, changing nothing, when the pool is short.
-        Full blocks whose tokens are now known are cached.
+        Full blocks whose tokens are now known are cached, unless ``cache`` is False (blocks whose K/V will
+        arrive later, from a remote worker: ``cache_blocks`` once they are written).
         """
         new_computed_blocks = new_computed_blocks or []
         blocks = self.req_to_blocks.setdefault(request.request_id, [])
@@ -98,9 +100,14 @@ class BlockManager:
         self.num_cached_blocks.setdefault(request.request_id, 0)
         if new_computed_blocks:
             self.num_cached_blocks[request.request_id] = len(blocks) - num_fresh
-        # only blocks of known tokens are cached: proposals (speculative decoding) may be rejected
-        self._cache_full_blocks(request, min(request.num_computed_tokens + num_new_tokens, request.num_tokens))
+        if cache:
+            # only blocks of known tokens are cached: proposals (speculative decoding) may be rejected
+            self._cache_full_blocks(request, min(request.num_computed_tokens + num_new_tokens, request.num_tokens))
         return True
+
+    def cache_blocks(self, request: Request, num_tokens: int) -> None:
+        """Cache the request's full blocks among its first ``num_tokens`` tokens (their K/V are now written)."""
+        self._cache_full_blocks(request, num_tokens)
 
     def trim(self, request: Request, num_tokens: int) -> None:
         """Free the request's blocks past those holding ``num_tokens`` tokens (slots of rejected proposals)."""

@@ -2,21 +2,33 @@
 
 llama.cpp's converter permutes the rows of llama-arch q/k projections (to interleave the rotary
 halves); we undo it exactly as HF transformers' GGUF loader does, so weights come back in HF layout.
+
+``gguf.GGUFReader`` parses every metadata field into numpy views, which takes seconds for a 49k-token
+vocabulary. ``open_gguf`` therefore keeps what it parsed (metadata values, tensor names, types and offsets)
+as JSON under ``$TWOPHASE_HOME/cache/gguf/``, keyed by the file's path, size and modification time; a
+later process memory-maps the tensors straight from those offsets.
 """
 
 from __future__ import annotations
 
+import glob
+import hashlib
+import json
+import os
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from gguf import GGUFReader, dequantize
+from gguf import GGMLQuantizationType, GGUFReader, dequantize
 
 from twophase.config import ConfigError, ModelConfig
 from twophase.loader.errors import ModelLoadError
+
+CACHE_VERSION = 1  # bump when the cached index's layout changes
 
 GGUF_MAGIC = b"GGUF"
 
@@ -53,10 +65,40 @@ def is_gguf_file(path: Path) -> bool:
         return False
 
 
-def open_gguf(path: Path) -> GGUFReader:
-    """Parse a GGUF file (memory-mapped); corrupt or truncated files raise ModelLoadError."""
+@dataclass(frozen=True)
+class GGUFTensor:
+    """One tensor of a GGUF file: its stored bytes as a memory-mapped numpy view (as ``GGUFReader`` shapes it)."""
+
+    name: str
+    tensor_type: GGMLQuantizationType
+    shape: tuple[int, ...]  # GGUF order: innermost dimension first
+    data: np.ndarray
+
+
+@dataclass(frozen=True)
+class GGUFFile:
+    """A parsed GGUF file: metadata values as Python objects and its tensors."""
+
+    path: Path
+    metadata: dict[str, Any]
+    tensors: list[GGUFTensor]
+
+
+def open_gguf(path: Path, cache_dir: Path | None = None) -> GGUFFile:
+    """Parse a GGUF file (memory-mapped), through the metadata cache in ``cache_dir`` (default
+    ``$TWOPHASE_HOME/cache/gguf``); corrupt or truncated files raise ModelLoadError."""
     if not is_gguf_file(path):
         raise ModelLoadError(f"corrupt GGUF file {path}: missing GGUF magic bytes")
+    cache_file = _cache_file(path, cache_dir)
+    index = _read_index(cache_file)
+    if index is None:
+        index = _parse_index(path)
+        _write_index(cache_file, index)
+    return _file_from_index(path, index)
+
+
+def _parse_index(path: Path) -> dict[str, Any]:
+    """Metadata values and tensor locations of ``path``, parsed by ``GGUFReader`` and checked for truncation."""
     try:
         reader = GGUFReader(path)
     except Exception as exc:  # the gguf parser fails with ValueError/IndexError/... deep inside numpy
@@ -65,16 +107,59 @@ def open_gguf(path: Path) -> GGUFReader:
     for tensor in reader.tensors:
         if tensor.data_offset + tensor.n_bytes > file_size or tensor.data.nbytes != tensor.n_bytes:
             raise ModelLoadError(f"corrupt or truncated GGUF file {path}: tensor {tensor.name} runs past the end")
-    return reader
+    metadata = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    tensors = [{"name": t.name, "type": int(t.tensor_type), "shape": [int(x) for x in t.shape],
+                "dtype": t.data.dtype.str, "data_shape": list(t.data.shape), "offset": int(t.data_offset)}
+               for t in reader.tensors]
+    return {"metadata": metadata, "tensors": tensors}
 
 
-def gguf_field(reader: GGUFReader, key: str, default: Any = None) -> Any:
+def _file_from_index(path: Path, index: dict[str, Any]) -> GGUFFile:
+    mapped = np.memmap(path, mode="r")
+    tensors = [GGUFTensor(name=t["name"], tensor_type=GGMLQuantizationType(t["type"]), shape=tuple(t["shape"]),
+                          data=np.ndarray(tuple(t["data_shape"]), np.dtype(t["dtype"]), mapped, t["offset"]))
+               for t in index["tensors"]]
+    return GGUFFile(path=path, metadata=index["metadata"], tensors=tensors)
+
+
+def _cache_file(path: Path, cache_dir: Path | None) -> Path:
+    from twophase.loader.store import store_home
+
+    stat = path.stat()
+    key = f"{CACHE_VERSION}|{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:24]
+    return (cache_dir or store_home() / "cache" / "gguf") / f"{path.stem}-{digest}.json"
+
+
+def _read_index(cache_file: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(cache_file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None  # absent or damaged: parse the file again
+
+
+def _write_index(cache_file: Path, index: dict[str, Any]) -> None:
+    """Write atomically, replacing older entries of the same file name (the cache holds one entry per name, so
+    temporary files do not pile up); a read-only home only costs the next process a re-parse."""
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        stem = cache_file.name.rsplit("-", 1)[0]
+        for stale in cache_file.parent.glob(f"{glob.escape(stem)}-*.json"):
+            if stale.name.rsplit("-", 1)[0] == stem:
+                stale.unlink(missing_ok=True)
+        partial = cache_file.with_suffix(f".{os.getpid()}.tmp")
+        partial.write_text(json.dumps(index), encoding="utf-8")
+        partial.replace(cache_file)
+    except OSError:
+        pass
+
+
+def gguf_field(reader: GGUFFile, key: str, default: Any = None) -> Any:
     """A metadata value as a Python object (str, int, float, bool, list), or ``default``."""
-    field = reader.fields.get(key)
-    return default if field is None else field.contents()
+    return reader.metadata.get(key, default)
 
 
-def gguf_architecture(reader: GGUFReader) -> str:
+def gguf_architecture(reader: GGUFFile) -> str:
     """``general.architecture``, refused with ConfigError when twophase cannot run it."""
     arch = gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
@@ -83,7 +168,7 @@ def gguf_architecture(reader: GGUFReader) -> str:
     return arch
 
 
-def gguf_config(reader: GGUFReader) -> ModelConfig:
+def gguf_config(reader: GGUFFile) -> ModelConfig:
     """Normalise GGUF metadata into a ModelConfig (via the equivalent HF config dict)."""
     arch = gguf_architecture(reader)
     names = {tensor.name for tensor in reader.tensors}
@@ -99,8 +184,8 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
         raise ModelLoadError(f"GGUF metadata lacks {', '.join(f'{arch}.{m}' for m in missing)}")
     num_heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
-    tokens = reader.fields.get("tokenizer.ggml.tokens")
-    vocab_size = key("vocab_size") or (len(tokens.data) if tokens is not None else _embedding_rows(reader))
+    tokens = gguf_field(reader, "tokenizer.ggml.tokens")
+    vocab_size = key("vocab_size") or (len(tokens) if tokens is not None else _embedding_rows(reader))
     eos_ids = [gguf_field(reader, f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot")]
     hf = {
         "architectures": [GGUF_ARCHITECTURES[arch]],
@@ -124,7 +209,7 @@ def gguf_config(reader: GGUFReader) -> ModelConfig:
     return ModelConfig.from_hf_dict(hf)
 
 
-def _embedding_rows(reader: GGUFReader) -> int:
+def _embedding_rows(reader: GGUFFile) -> int:
     for tensor in reader.tensors:
         if tensor.name == "token_embd.weight":
             return int(tensor.shape[-1])  # GGUF shapes are reversed: [hidden, vocab]
@@ -161,16 +246,12 @@ def reverse_permute(weight: np.ndarray, num_heads: int) -> np.ndarray:
     return rows.swapaxes(2, 1).reshape(weight.shape)
 
 
-def iter_gguf(reader: GGUFReader, config: ModelConfig, tensors: Any) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_gguf(reader: GGUFFile, config: ModelConfig, tensors: Any) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(hf_name, float32 tensor [out, in])`` for each GGUF tensor in ``tensors``."""
     permute = gguf_architecture(reader) in PERMUTED_ARCHITECTURES
     for tensor in tensors:
         name = hf_name(tensor.name)
-        try:
-            array = dequantize(tensor.data, tensor.tensor_type)
-        except Exception as exc:
-            raise ModelLoadError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}") from exc
-        array = np.asarray(array, dtype=np.float32)
+        array = dequantize_tensor(tensor)
         if permute and ".attn_q." in tensor.name:
             array = reverse_permute(array, config.num_attention_heads)
         elif permute and ".attn_k." in tensor.name:
@@ -183,7 +264,26 @@ def iter_gguf(reader: GGUFReader, config: ModelConfig, tensors: Any) -> Iterator
 NATIVE_FORMATS = {"Q8_0": "q8_0", "Q4_1": "q4_1"}  # GGUF tensor types our kernels execute as stored
 
 
-def iter_gguf_native(reader: GGUFReader, config: ModelConfig) -> Iterator[tuple[str, str, tuple[torch.Tensor, ...]]]:
+def dequantize_tensor(tensor: GGUFTensor) -> np.ndarray:
+    """float32 values of a GGUF tensor in its stored row order. Q8_0 and Q4_1 go through torch
+    (``model/ops/quant.py``, the same float32 arithmetic as ``gguf.dequantize``, many times faster);
+    every other type through ``gguf.dequantize``."""
+    fmt = NATIVE_FORMATS.get(tensor.tensor_type.name)
+    if fmt is not None and len(tensor.shape) == 2:
+        from twophase.model.ops import quant
+
+        k, n = (int(x) for x in tensor.shape)
+        raw = torch.from_numpy(np.array(tensor.data, copy=True).view(np.uint8).reshape(-1))
+        if fmt == "q8_0":
+            return quant.dequantize_q8_0(*quant.from_gguf_q8_0(raw, n, k)).numpy()
+        return quant.dequantize_q4_1(*quant.from_gguf_q4_1(raw, n, k)).numpy()
+    try:
+        return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+    except Exception as exc:
+        raise ModelLoadError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}") from exc
+
+
+def iter_gguf_native(reader: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, str, tuple[torch.Tensor, ...]]]:
     """Yield ``(hf_name, fmt, packed)`` for each 2-D tensor stored in a block format our kernels run (q8_0, q4_1),
     as the tensors its kernel takes (``model/ops/quant.py`` layouts), rows in HF order: the exact stored weights,
     never dequantised and requantised."""

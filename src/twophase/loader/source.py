@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from gguf import GGUFReader
 from tqdm.auto import tqdm
 
 from twophase.config import ModelConfig
@@ -27,7 +26,7 @@ class ModelSource:
     config: ModelConfig
     format: Literal["safetensors", "gguf"]
     shards: list[Path] = field(default_factory=list, repr=False)
-    reader: GGUFReader | None = field(default=None, repr=False, compare=False)
+    reader: gguf_reader.GGUFFile | None = field(default=None, repr=False, compare=False)
 
     @property
     def directory(self) -> Path:

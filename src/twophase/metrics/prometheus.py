@@ -33,6 +33,11 @@ class PrometheusStatLogger:
         labels = ["model_name"]
         self._build_request_metrics(labels)
         self._build_engine_metrics(labels)
+        self._kv_transfers: KVTransferMetrics | None = None
+
+    def track_kv_transfers(self, counters) -> None:
+        """Also export a P/D server's KV transfer counters (``kv_transfer.scheduler_connector.TransferCounters``)."""
+        self._kv_transfers = KVTransferMetrics(self.registry, self.model_name, counters)
 
     def _histogram(self, name: str, doc: str, buckets, labels: list[str]) -> Histogram:
         return Histogram(name, doc, labels, buckets=buckets, registry=self.registry)
@@ -144,4 +149,50 @@ class PrometheusStatLogger:
 
     def exposition(self) -> bytes:
         """The text exposition format of this registry."""
+        if self._kv_transfers is not None:
+            self._kv_transfers.sync()
         return generate_latest(self.registry)
+
+
+XFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+class KVTransferMetrics:
+    """KV transfers under names following vLLM's KV connector metrics (``vllm:nixl_xfer_time_seconds`` etc.,
+    here ``vllm:kv_*``), brought up to date from the connector's counters at each scrape."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str, counters) -> None:
+        labels = ["model_name"]
+        self.model_name = model_name
+        self.counters = counters
+        self.transfers = Counter("vllm:kv_num_transfers", "KV block transfers completed", labels, registry=registry)
+        self.bytes = Counter("vllm:kv_bytes_transferred", "KV bytes transferred", labels, registry=registry)
+        self.seconds = Histogram("vllm:kv_xfer_time_seconds", "Time of one KV transfer (decode side: start of the "
+                                 "read to blocks written)", labels, buckets=XFER_BUCKETS, registry=registry)
+        self.failures = Counter("vllm:kv_num_failed_transfers", "Failed KV transfers by cause",
+                                labels + ["cause"], registry=registry)
+        self.expired = Counter("vllm:kv_num_expired_leases", "Prefill leases freed at their deadline, unread",
+                               labels, registry=registry)
+        self.prefix_hits = Counter("vllm:kv_num_local_prefix_hits", "Remote-prefilled requests served by the "
+                                   "local prefix cache without a transfer", labels, registry=registry)
+        for metric in (self.transfers, self.bytes, self.expired, self.prefix_hits):
+            metric.labels(model_name)
+        self._seen: dict[str, float] = {}
+
+    def _advance(self, key: str, counter: Counter, value: float, *labels: str) -> None:
+        delta = value - self._seen.get(key, 0)
+        if delta > 0:
+            counter.labels(self.model_name, *labels).inc(delta)
+            self._seen[key] = value
+
+    def sync(self) -> None:
+        """Add what the counters gained since the last scrape."""
+        c = self.counters
+        self._advance("transfers", self.transfers, c.num_transfers)
+        self._advance("bytes", self.bytes, c.num_bytes)
+        self._advance("expired", self.expired, c.num_expired_leases)
+        self._advance("prefix_hits", self.prefix_hits, c.num_prefix_hits)
+        for cause, count in list(c.failures.items()):
+            self._advance(f"failure:{cause}", self.failures, count, cause)
+        while c.seconds:
+            self.seconds.labels(self.model_name).observe(c.seconds.popleft())

@@ -77,6 +77,10 @@ def request_to_json(request_id: str, timeline: RequestTimeline, num_prompt_token
         "num_drafts": timeline.num_drafts,
         "num_draft_tokens": timeline.num_draft_tokens,
         "num_accepted_tokens": timeline.num_accepted_tokens,
+        "remote_prefill_time": timeline.remote_prefill_time,
+        "kv_transfer_start": timeline.kv_transfer_start,
+        "kv_transfer_end": timeline.kv_transfer_end,
+        "kv_transfer_bytes": timeline.kv_transfer_bytes,
     }
 
 
@@ -104,5 +108,9 @@ def timeline_from_json(d: dict) -> RequestTimeline:
         num_drafts=int(d.get("num_drafts", 0)),
         num_draft_tokens=int(d.get("num_draft_tokens", 0)),
         num_accepted_tokens=int(d.get("num_accepted_tokens", 0)),
+        remote_prefill_time=d.get("remote_prefill_time"),
+        kv_transfer_start=d.get("kv_transfer_start"),
+        kv_transfer_end=d.get("kv_transfer_end"),
+        kv_transfer_bytes=int(d.get("kv_transfer_bytes") or 0),
     )
 

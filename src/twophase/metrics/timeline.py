@@ -11,7 +11,7 @@ from twophase.request import RequestTimeline
 class RequestMetrics:
     """Per-request phase times in seconds (None where the request never reached that point)."""
 
-    queue_time: float | None  # arrival → first scheduled
+    queue_time: float | None  # arrival → first scheduled (or → start of its remote KV transfer)
     prefill_time: float | None  # first scheduled → first token
     decode_time: float | None  # first token → last token
     ttft: float | None  # arrival → first token
@@ -23,6 +23,8 @@ class RequestMetrics:
     num_preemptions: int = 0
     acceptance_rate: float | None = None  # speculative decoding: accepted / proposed tokens
     mean_accepted_length: float | None = None  # tokens per verifying step (1 + accepted per draft)
+    remote_prefill_time: float | None = None  # P/D: the prefill leg on a remote worker (before this arrival)
+    kv_transfer_time: float | None = None  # P/D: reading the prompt's blocks from the remote worker
 
 
 def request_metrics(timeline: RequestTimeline) -> RequestMetrics:
@@ -34,8 +36,11 @@ def request_metrics(timeline: RequestTimeline) -> RequestMetrics:
     e2e = last - timeline.arrival_time if last is not None else None
     ttft = first_tok - timeline.arrival_time if first_tok is not None else None
     tpot = (e2e - ttft) / (len(tokens) - 1) if len(tokens) > 1 and e2e is not None and ttft is not None else None
+    queue_end = timeline.kv_transfer_start if timeline.kv_transfer_start is not None else first_sched
+    transfer = (timeline.kv_transfer_end - timeline.kv_transfer_start
+                if timeline.kv_transfer_end is not None and timeline.kv_transfer_start is not None else None)
     return RequestMetrics(
-        queue_time=first_sched - timeline.arrival_time if first_sched is not None else None,
+        queue_time=queue_end - timeline.arrival_time if queue_end is not None else None,
         prefill_time=first_tok - first_sched if first_tok is not None and first_sched is not None else None,
         decode_time=tokens[-1] - tokens[0] if tokens else None,
         ttft=ttft,
@@ -47,6 +52,8 @@ def request_metrics(timeline: RequestTimeline) -> RequestMetrics:
         num_preemptions=timeline.num_preemptions,
         acceptance_rate=timeline.num_accepted_tokens / timeline.num_draft_tokens if timeline.num_draft_tokens else None,
         mean_accepted_length=1.0 + timeline.num_accepted_tokens / timeline.num_drafts if timeline.num_drafts else None,
+        remote_prefill_time=timeline.remote_prefill_time,
+        kv_transfer_time=transfer,
     )
 
 

@@ -66,6 +66,14 @@ class AttentionBackend(Protocol):
         v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Write this step's K/V through ``meta.slot_mapping``, then ``attend``."""
+        ...
+
+    def attend(
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Causal attention of q [num_tokens, num_heads, head_dim] over the cache, this step's K/V already in it
+        (the model writes them fused with the rotary embedding)."""
         ...
 
 
@@ -197,7 +205,11 @@ class KernelPagedAttention:
     def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Write new K/V through the slot mapping, then one kernel call for all rows."""
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        out = torch.empty_like(q)
+        return self.attend(q, k_cache, v_cache, meta)
+
+    def attend(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, H, D] over the cache (this step's K/V already written) → [T, H, D]."""
+        out = torch.empty(q.shape, dtype=q.dtype)
         self.kernels.paged_attention(
             out, q.contiguous(), k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.block_size, self.scale,

@@ -20,11 +20,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [num_tokens, hidden]
-        """Normalise each row."""
-        dtype = x.dtype
-        x32 = x.to(torch.float32) if dtype != torch.float64 else x
-        normed = torch.nn.functional.rms_norm(x32, (x32.shape[-1],), eps=self.eps)  # one fused op
-        return self.weight * normed.to(dtype)
+        """Normalise each row (the eager reference; the model calls it through ``LayerOps``)."""
+        return rms_norm_reference(x, self.weight, self.eps)
+
+
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * rms_norm(x) [T, H], statistics in float32 (float64 kept), as HF Llama."""
+    dtype = x.dtype
+    x32 = x.to(torch.float32) if dtype != torch.float64 else x
+    normed = torch.nn.functional.rms_norm(x32, (x32.shape[-1],), eps=eps)  # one fused op
+    return weight * normed.to(dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:

@@ -13,7 +13,8 @@ from torch import nn
 
 from twophase.config import ModelConfig
 from twophase.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
-from twophase.model.layers import RMSNorm, RotaryEmbedding, apply_rotary
+from twophase.model.layers import RMSNorm, RotaryEmbedding
+from twophase.model.ops.fused import LayerOps, Rope
 
 
 class LlamaAttention(nn.Module):
@@ -30,14 +31,12 @@ class LlamaAttention(nn.Module):
         self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
         self.backend = backend
 
-    def forward(self, x, rope: tuple[torch.Tensor, torch.Tensor], kv_cache: tuple[torch.Tensor, torch.Tensor], meta):
-        """x [T, hidden] → [T, hidden]; ``rope`` is this step's (cos, signed sin) [T, 1, D]."""
-        qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        num_qk_heads = self.num_heads + self.num_kv_heads
-        qk = apply_rotary(qkv[:, : self.q_size + self.kv_size].view(-1, num_qk_heads, self.head_dim), *rope)
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, H, D], [T, KVH, D]
-        v = qkv[:, self.q_size + self.kv_size :].view(-1, self.num_kv_heads, self.head_dim)  # [T, KVH, D]
-        out = self.backend.forward(q, k, v, kv_cache[0], kv_cache[1], meta)  # [T, H, D]
+    def forward(self, x, rope: Rope, kv_cache: tuple[torch.Tensor, torch.Tensor], meta, ops: LayerOps):
+        """x [T, hidden] → [T, hidden]: rotary and the K/V cache write in one op, then attention over the cache."""
+        qkv = self.qkv_proj(x).contiguous()  # [T, q_size + 2 * kv_size]
+        ops.rotary_cache_(qkv, rope, kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads, self.num_kv_heads)
+        q = qkv[:, : self.q_size].view(-1, self.num_heads, self.head_dim)  # [T, H, D], rotated
+        out = self.backend.attend(q, kv_cache[0], kv_cache[1], meta)  # [T, H, D]
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
@@ -50,14 +49,14 @@ class LlamaMLP(nn.Module):
         self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
         self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         """x [T, hidden] → [T, hidden]."""
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)  # [T, inter] each
-        return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2 * inter] → [T, inter] → [T, hidden]
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm attention + MLP block."""
+    """Pre-norm attention + MLP block, in the residual-stream form: the norm of each sub-block is fused with the
+    residual add before it (``LayerOps.add_rms_norm_``)."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
         super().__init__()
@@ -66,10 +65,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, x, rope, kv_cache, meta) -> torch.Tensor:
-        """x [T, hidden] → [T, hidden]."""
-        x = x + self.self_attn(self.input_layernorm(x), rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, h, residual, next_norm: RMSNorm, rope, kv_cache, meta, ops: LayerOps) -> torch.Tensor:
+        """h = input_layernorm(residual) [T, hidden] → next_norm(residual after this layer); ``residual`` [T, hidden]
+        is updated in place (x + attn, then + mlp)."""
+        h = self.self_attn(h, rope, kv_cache, meta, ops).contiguous()
+        ops.add_rms_norm_(h, residual, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        h = self.mlp(h, ops).contiguous()
+        ops.add_rms_norm_(h, residual, next_norm.weight, next_norm.eps)
+        return h
 
 
 class LlamaForCausalLM(nn.Module):
@@ -80,12 +83,14 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         backend = backend or TorchPagedAttention(config.num_attention_heads, config.num_key_value_heads, config.head_dim)
         self.backend = backend
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        # _weight: no random init (the model is built on the meta device and loaded; meta normal_ imports dynamo)
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size, _weight=torch.empty(config.vocab_size, config.hidden_size))
         self.layers = nn.ModuleList([LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers)])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config, max_positions)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_head: nn.Module | None = None  # a packed head (``pack``); None: plain matmul
+        self.ops = LayerOps()  # eager torch until ``pack`` hands over the kernels
 
     def forward(
         self,
@@ -96,11 +101,21 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:  # [T, hidden]
         """Hidden states of every token of the flat batch."""
         self.backend.prepare(meta)  # backend index tensors, once for all layers
-        rope = self.rotary(positions, self.embed_tokens.weight.dtype)  # (cos, signed sin) [T, 1, D], once
-        x = self.embed_tokens(input_ids)  # [T, hidden]
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, kv_cache, meta)
-        return self.norm(x)
+        residual = self.embed_tokens(input_ids)  # [T, hidden]
+        rope = self._rope(positions, residual)  # once for all layers
+        first = self.layers[0].input_layernorm
+        h = self.ops.rms_norm(residual, first.weight, first.eps)  # [T, hidden]
+        norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        for layer, next_norm, kv_cache in zip(self.layers, norms, kv_caches):
+            h = layer(h, residual, next_norm, rope, kv_cache, meta, self.ops)
+        return h
+
+    def _rope(self, positions: torch.Tensor, like: torch.Tensor) -> Rope:
+        positions = positions.to(torch.long).contiguous()
+        cos = sin = None
+        if not self.ops.uses_kernels(like):
+            cos, sin = self.rotary(positions, like.dtype)  # [T, 1, D] each
+        return Rope(positions, self.rotary.cos, self.rotary.sin, cos, sin)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, hidden] → logits [N, vocab]."""
@@ -120,6 +135,7 @@ class LlamaForCausalLM(nn.Module):
         head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.logits_head = make_linear(head_weight.data, None, quantization, kernels, native.get(head_name))
         self.lm_head = None
+        self.ops = LayerOps(kernels)
         pack_linear_layers(self.layers, quantization, kernels, lambda name: _fused_native(native, f"layers.{name}"))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -13,19 +13,29 @@ import numpy as np  # noqa: E402
 from twophase.report.report import RequestRecord, RunRecords  # noqa: E402
 
 PHASE_COLORS = {"queue": "#b0b0b0", "prefill": "#f28e2b", "decode": "#59a14f", "waiting": "#e15759",
-                "mixed": "#4e79a7"}  # fmt: skip
+                "mixed": "#4e79a7", "remote_prefill": "#edc948", "transfer": "#b07aa1"}  # fmt: skip
+LEGEND = {"queue": "queue", "remote_prefill": "remote prefill (P/D)", "transfer": "KV transfer (P/D)",
+          "prefill": "prefill chunk", "decode": "decode step", "waiting": "runnable, waiting"}
 
 
 def request_segments(request: RequestRecord, t0: float) -> dict[str, list[tuple[float, float]]]:
     """(start, width) segments in seconds since ``t0``: queue, each prefill chunk, each decode step, and the
-    runnable-but-waiting gaps between them (interference, preemption)."""
+    runnable-but-waiting gaps between them (interference, preemption); with P/D disaggregation also the remote
+    prefill leg (just before arrival here) and the KV transfer."""
     tl = request.timeline
     segments: dict[str, list[tuple[float, float]]] = {"queue": [], "prefill": [], "decode": [], "waiting": []}
+    if tl.remote_prefill_time:
+        segments["remote_prefill"] = [(tl.arrival_time - tl.remote_prefill_time - t0, tl.remote_prefill_time)]
     if not tl.scheduled:
         end = tl.finish_time if tl.finish_time is not None else tl.arrival_time
         segments["queue"].append((tl.arrival_time - t0, end - tl.arrival_time))
         return segments
-    segments["queue"].append((tl.arrival_time - t0, tl.scheduled[0].time - tl.arrival_time))
+    queue_end = tl.kv_transfer_start if tl.kv_transfer_start is not None else tl.scheduled[0].time
+    segments["queue"].append((tl.arrival_time - t0, queue_end - tl.arrival_time))
+    if tl.kv_transfer_start is not None and tl.kv_transfer_end is not None:
+        segments["transfer"] = [(tl.kv_transfer_start - t0, tl.kv_transfer_end - tl.kv_transfer_start)]
+        if tl.scheduled[0].time > tl.kv_transfer_end:
+            segments["waiting"].append((tl.kv_transfer_end - t0, tl.scheduled[0].time - tl.kv_transfer_end))
     cursor = tl.scheduled[0].time
     for event in tl.scheduled:
         end = event.end_time if event.end_time is not None else event.time
@@ -51,8 +61,10 @@ def plot_gantt(records: RunRecords, path: str | Path) -> Path:
     ax.set_yticks(range(len(requests)), [r.request_id for r in requests], fontsize=7)
     ax.invert_yaxis()
     ax.set(xlabel="time since start (s)", title="requests: queue / prefill / decode / runnable but waiting")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=PHASE_COLORS[p]) for p in ("queue", "prefill", "decode", "waiting")]
-    ax.legend(handles, ["queue", "prefill chunk", "decode step", "runnable, waiting"], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
+    has_pd = any(r.timeline.kv_transfer_start is not None or r.timeline.remote_prefill_time for r in requests)
+    shown = [p for p in LEGEND if has_pd or p not in ("remote_prefill", "transfer")]
+    handles = [plt.Rectangle((0, 0), 1, 1, color=PHASE_COLORS[p]) for p in shown]
+    ax.legend(handles, [LEGEND[p] for p in shown], loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     ax.grid(True, axis="x", alpha=0.3)
     return _save(fig, path)
 

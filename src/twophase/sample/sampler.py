@@ -7,6 +7,7 @@ Order of operations (vLLM/HF compatible):
 3. ``logit_bias`` added, and every id outside ``allowed_token_ids`` masked (one cached [vocab] row per request),
 4. masks: while the output is shorter than min_tokens, EOS ids (unless ``ignore_eos``) and ``stop_token_ids``;
    the last token of each ``bad_words`` sequence whose other tokens end the output (a one-token word always),
+   then each structured-output row's grammar bitmask (tokens the grammar forbids next; ``twophase.structured``),
 5. ``temperature == 0`` rows take the argmax of the processed logits (no RNG is touched),
 6. other rows: temperature, top-k, top-p, min-p, then an exponential race
    (``argmax(probs / q)`` with ``q ~ Exponential(1)`` drawn per row) so a seeded row draws only from its own
@@ -19,6 +20,7 @@ Logprobs are computed from the raw distribution (log_softmax of the unprocessed 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -46,6 +48,7 @@ class SamplingState:
     _output_counts: torch.Tensor | None = field(default=None, repr=False)  # [vocab] int32
     _num_counted: int = field(default=0, repr=False)
     _bias_row: torch.Tensor | None = field(default=None, repr=False)  # [vocab] float32
+    matcher: Any = None  # twophase.structured.grammar.Matcher when the output must match a grammar
 
     @property
     def needs_bias(self) -> bool:
@@ -139,13 +142,16 @@ class Sampler:
         prompt_token_ids: list[int],
         output_token_ids: list[int],
         eos_token_ids: tuple[int, ...] | list[int],
+        matcher: Any = None,
     ) -> SamplingState:
-        """Create the state for one request; a seeded, non-greedy request gets its own generator on ``device``."""
+        """Create the state for one request; a seeded, non-greedy request gets its own generator on ``device``.
+        ``matcher``: the request's grammar matcher (structured outputs), advanced here by every sampled token."""
         generator = None
         if params.seed is not None and not params.greedy:
             generator = torch.Generator(device=self.device)
             generator.manual_seed(params.seed)
-        return SamplingState(params, prompt_token_ids, output_token_ids, tuple(eos_token_ids), generator)
+        return SamplingState(params, prompt_token_ids, output_token_ids, tuple(eos_token_ids), generator,
+                             matcher=matcher)
 
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, states: list[SamplingState]) -> SamplerOutput:
@@ -164,13 +170,17 @@ class Sampler:
             sampled = self._sample(logits[rows], [states[i] for i in sample_rows])  # [num_sampled]
             token_ids[rows] = sampled
         token_id_list = token_ids.tolist()
+        for state, token_id in zip(states, token_id_list):
+            if state.matcher is not None:
+                state.matcher.accept(token_id)
         return SamplerOutput(token_id_list, self._logprobs(raw_logits, token_ids, states))
 
     def process_logits(self, raw_logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:
-        """Penalties, bias and masks (steps 1-4) of ``raw_logits`` [n, vocab]; a copy when anything changed."""
+        """Penalties, bias, masks and grammar bitmasks of ``raw_logits`` [n, vocab]; a copy when anything changed."""
         logits = self._apply_penalties(raw_logits, states)  # [n, vocab], a copy when changed
         logits = self._apply_bias(logits, states, copy=logits is raw_logits)
-        return self._apply_masks(logits, states, copy=logits is raw_logits)
+        logits = self._apply_masks(logits, states, copy=logits is raw_logits)
+        return self._apply_grammars(logits, states, copy=logits is raw_logits)
 
     def verify(
         self, logits: torch.Tensor, states: list[SamplingState], drafts: list[list[int]]
@@ -234,6 +244,18 @@ class Sampler:
         rows = torch.tensor(row_idx, dtype=torch.long, device=logits.device)  # [num_masked]
         cols = torch.tensor(col_idx, dtype=torch.long, device=logits.device)  # [num_masked]
         logits[rows, cols] = float("-inf")
+        return logits
+
+    def _apply_grammars(self, logits: torch.Tensor, states: list[SamplingState], copy: bool) -> torch.Tensor:
+        """Mask what each structured-output row's grammar forbids next. logits: [num_reqs, vocab] float32."""
+        matchers = {i: s.matcher for i, s in enumerate(states) if s.matcher is not None}
+        if not matchers:
+            return logits
+        from twophase.structured.grammar import apply_bitmasks
+
+        if copy or not logits.is_contiguous():
+            logits = logits.clone(memory_format=torch.contiguous_format)
+        apply_bitmasks(logits, matchers)
         return logits
 
     def _sample(self, logits: torch.Tensor, states: list[SamplingState]) -> torch.Tensor:

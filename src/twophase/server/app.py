@@ -9,11 +9,13 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 
 from twophase.engine.async_engine import AsyncLLM
+from twophase.metrics.goodput import GoodputStatLogger
 from twophase.metrics.prometheus import CONTENT_TYPE, PrometheusStatLogger
 from twophase.metrics.records import RecordRing
 from twophase.server.auth import APIKeyMiddleware
 from twophase.server.dashboard import DASHBOARD_HTML
 from twophase.server.errors import error_response, install_error_handlers
+from twophase.server.kv_routes import router as kv_router
 from twophase.server.limits import BodySizeLimitMiddleware
 from twophase.server.protocol import DetokenizeRequest, TokenizeRequest
 from twophase.server.routes import check_model, router
@@ -29,8 +31,13 @@ def build_app(llm: AsyncLLM, settings: ServerSettings) -> FastAPI:
     app.state.prometheus = PrometheusStatLogger(settings.model_name)
     app.state.records = RecordRing(settings.records_max_steps, settings.records_max_requests)
     llm.stat_loggers.extend([app.state.prometheus, app.state.records])
+    goodput = GoodputStatLogger(settings.model_name, dict(settings.slos_ms), app.state.prometheus.registry)
+    llm.stat_loggers.append(goodput)
     install_error_handlers(app)
     app.include_router(router)
+    if llm.engine.kv_connector is not None:
+        app.include_router(kv_router)
+        app.state.prometheus.track_kv_transfers(llm.engine.kv_connector.scheduler_side.counters)
     _add_info_routes(app)
     _add_token_routes(app)
     app.add_middleware(BodySizeLimitMiddleware, max_body_bytes=settings.max_body_bytes)

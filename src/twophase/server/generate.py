@@ -11,12 +11,13 @@ import asyncio
 import dataclasses
 import logging
 from dataclasses import dataclass
-from typing import AsyncIterator
+from typing import AsyncIterator, Callable
 
 from fastapi import Request as HTTPRequest
 
 from twophase.engine.async_engine import AsyncLLM
 from twophase.outputs import RequestOutput
+from twophase.request import Request
 from twophase.sampling_params import InvalidRequestError, SamplingParams
 from twophase.server.errors import APIError
 from twophase.server.protocol import _SamplingFields
@@ -95,10 +96,15 @@ def make_choices(request_id: str, prompts: list[list[int]], params: SamplingPara
     return choices
 
 
-def submit_all(llm: AsyncLLM, choices: list[Choice], cache_salt: str | None) -> list[asyncio.Queue]:
-    """Validate every choice (InvalidRequestError / QueueFullError raise here, nothing queued), then queue all."""
+def submit_all(llm: AsyncLLM, choices: list[Choice], cache_salt: str | None,
+               setup: Callable[[Request], None] | None = None) -> list[asyncio.Queue]:
+    """Validate every choice (InvalidRequestError / QueueFullError raise here, nothing queued), then queue all.
+    ``setup`` is applied to each engine request before it is queued (e.g. its KV transfer parameters)."""
     requests = [llm.make_request(c.prompt_ids, c.params, c.request_id, cache_salt, num_ahead=i)
                 for i, c in enumerate(choices)]  # fmt: skip
+    if setup is not None:
+        for request in requests:
+            setup(request)
     return [llm.submit(r) for r in requests]
 
 
@@ -126,6 +132,8 @@ async def _pump(llm: AsyncLLM, choice: Choice, source: asyncio.Queue, sink: asyn
     """Forward one choice's outputs (or its error) into the merged queue."""
     try:
         async for output in llm.stream_outputs(choice.request_id, source):
+            if output.error is not None:  # e.g. its KV transfer failed: an error, not an empty answer
+                raise APIError(502, output.error, None, "kv_transfer_failed")
             sink.put_nowait((choice.index, output))
     except Exception as exc:  # noqa: BLE001 — delivered to the merged stream's reader
         sink.put_nowait((choice.index, exc))

@@ -43,6 +43,10 @@ class GracefulServer(uvicorn.Server):
 def settings_from_args(args: argparse.Namespace) -> ServerSettings:
     """ServerSettings from the ``serve`` options (the API key may come from ``TWOPHASE_API_KEY``)."""
     origins = tuple(o.strip() for o in (args.cors_origins or "").split(",") if o.strip())
+    for name in ("ttft", "tpot", "e2el"):
+        value = getattr(args, f"slo_{name}_ms", None)
+        if value is not None and value <= 0:
+            raise ValueError(f"--slo-{name}-ms must be positive, got {value}")
     return ServerSettings(
         model_name=args.served_model_name or args.model,
         api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
@@ -54,6 +58,8 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
         max_stop_strings=args.max_stop_strings,
         max_stop_string_chars=args.max_stop_string_chars,
         max_prompts=args.max_prompts,
+        slos_ms=tuple((name, float(getattr(args, f"slo_{name}_ms"))) for name in ("ttft", "tpot", "e2el")
+                      if getattr(args, f"slo_{name}_ms", None) is not None),
     )
 
 
@@ -68,6 +74,8 @@ def run_server(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     engine = LLMEngine(engine_config_from_args(args), progress=False)
     llm = AsyncLLM(engine)
+    if engine.kv_connector is not None:
+        engine.kv_connector.attach(llm.call_in_loop)
     llm.start()
     app = build_app(llm, settings)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
@@ -78,4 +86,7 @@ def run_server(args: argparse.Namespace) -> int:
         server.run()
     finally:
         llm.shutdown()
+        if engine.kv_connector is not None:
+            engine.kv_connector.close()
+        engine.close()
     return 0 if server.started else 1

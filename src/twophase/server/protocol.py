@@ -51,7 +51,7 @@ UNSUPPORTED_FIELDS: dict[str, Neutral] = {
     # OpenAI chat completions
     "audio": _unset, "modalities": _one_of(["text"]), "tools": _empty, "tool_choice": _one_of("none", "auto"),
     "functions": _empty, "function_call": _one_of("none", "auto"), "reasoning_effort": _unset, "verbosity": _unset,
-    "web_search_options": _unset, "moderation": _unset, "response_format": _one_of({"type": "text"}),
+    "web_search_options": _unset, "moderation": _unset,
     # OpenAI completions
     "echo": _falsy, "suffix": _one_of(""), "best_of": _one_of(1),
     # vLLM extensions
@@ -60,22 +60,21 @@ UNSUPPORTED_FIELDS: dict[str, Neutral] = {
     "logits_processors": _empty, "return_tokens_as_token_ids": _falsy, "return_token_ids": _falsy,
     "skip_special_tokens": _one_of(True), "spaces_between_special_tokens": _one_of(True), "priority": _one_of(0),
     "kv_transfer_params": _unset, "vllm_xargs": _unset, "mm_processor_kwargs": _empty,
-    "structured_outputs": _unset, "guided_json": _unset, "guided_regex": _unset, "guided_choice": _unset,
-    "guided_grammar": _unset,
+    "guided_whitespace_pattern": _unset,
 }  # fmt: skip
+TOOL_FIELDS = ("tools", "tool_choice")  # implemented on chat completions only (server/tools.py)
 IGNORED_FIELDS: dict[str, str] = {
     "user": "an end-user id for the provider's abuse monitoring",
     "metadata": "tags for stored completions, which we do not store",
     "store": "stored completions, which we do not keep",
     "service_tier": "the provider's processing tier; there is one tier",
-    "parallel_tool_calls": "only matters with tools, which are refused",
+    "parallel_tool_calls": "every <tool_call> the model writes is returned; required / named choices force one",
     "prediction": "predicted outputs change latency only, never the output",
     "prompt_cache_key": "a routing hint; prefix caching here is automatic",
     "prompt_cache_retention": "prefix-cache blocks live until evicted",
     "prompt_cache_options": "prefix caching here is automatic, block by block",
     "safety_identifier": "an end-user id for the provider's abuse monitoring",
-    "guided_decoding_backend": "chooses a grammar engine; guided fields themselves are refused",
-    "guided_whitespace_pattern": "only matters with guided_json, which is refused",
+    "guided_decoding_backend": "chooses a grammar engine; there is one (xgrammar)",
     "request_id": "vLLM's client-chosen id; ours are generated",
 }
 
@@ -114,6 +113,12 @@ class _SamplingFields(_Request):
     logit_bias: dict[StrictStr, Any] | None = None  # token id (as a string) -> bias in [-100, 100]
     allowed_token_ids: list[StrictInt] | None = None  # vLLM
     bad_words: list[StrictStr] | None = None  # vLLM
+    response_format: dict[str, Any] | None = None  # text | json_object | json_schema (server/structured_fields.py)
+    structured_outputs: dict[str, Any] | None = None  # vLLM: json | regex | choice | grammar | json_object
+    guided_json: Union[dict[str, Any], StrictStr, None] = None  # vLLM (older names of structured_outputs)
+    guided_regex: StrictStr | None = None
+    guided_choice: list[StrictStr] | None = None
+    guided_grammar: StrictStr | None = None
     user: StrictStr | None = None
     cache_salt: StrictStr | None = Field(
         default=None, description="tenant key: requests with different salts never share prefix-cache blocks")
@@ -156,9 +161,12 @@ class ChatMessage(_Request):
 class ChatCompletionRequest(_SamplingFields):
     """``POST /v1/chat/completions``."""
 
-    unsupported: ClassVar[dict[str, Neutral]] = {**UNSUPPORTED_FIELDS, "add_special_tokens": _one_of(False)}
+    unsupported: ClassVar[dict[str, Neutral]] = {
+        **{k: v for k, v in UNSUPPORTED_FIELDS.items() if k not in TOOL_FIELDS}, "add_special_tokens": _one_of(False)}
 
     messages: list[ChatMessage]
+    tools: list[dict[str, Any]] | None = None  # [{"type": "function", "function": {name, description, parameters}}]
+    tool_choice: Union[StrictStr, dict[str, Any], None] = None  # none | auto | required | {"type": "function", ...}
     max_completion_tokens: StrictInt | None = None
     logprobs: StrictBool | None = False
     top_logprobs: StrictInt | None = None
@@ -204,6 +212,8 @@ class Timings(BaseModel):
     draft_accepted_n: int | None = None
     acceptance_rate: float | None = None
     mean_accepted_length: float | None = None
+    remote_prefill_ms: float | None = None  # P/D: the prefill leg on the prefill server (client TTFT adds it)
+    kv_transfer_ms: float | None = None  # P/D: reading the prompt's KV blocks (inside ttft_ms)
 
 
 class PromptTokensDetails(BaseModel):
@@ -277,13 +287,15 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # [{index, id?, type?, function: {name?, arguments}}]
 
 
 class ChatMessageOut(BaseModel):
     """Non-streamed assistant message."""
 
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[dict[str, Any]] | None = None  # [{id, type: "function", function: {name, arguments}}]
 
 
 class ChatChoice(BaseModel):

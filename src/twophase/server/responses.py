@@ -34,6 +34,7 @@ def timings_of(outputs: list[RequestOutput], usage: Usage) -> Timings:
         ttft_ms=_ms(m.ttft), tpot_ms=_ms(m.tpot), e2e_ms=_ms(m.e2e), prompt_n=usage.prompt_tokens,
         cached_n=usage.prompt_tokens_details.cached_tokens, predicted_n=usage.completion_tokens,
         predicted_per_second=round(rate, 3) if rate else None,
+        remote_prefill_ms=_ms(m.remote_prefill_time), kv_transfer_ms=_ms(m.kv_transfer_time),
     )  # fmt: skip
 
 

@@ -23,3 +23,4 @@ class ServerSettings:
     disconnect_poll_s: float = 0.1  # how often a non-streaming request checks that its client is still there
     records_max_steps: int = 4096
     records_max_requests: int = 1024
+    slos_ms: tuple[tuple[str, float], ...] = ()  # (objective, limit ms) judged per request for the goodput metrics

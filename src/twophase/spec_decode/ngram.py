@@ -10,9 +10,10 @@ from twophase.sampling_params import SamplingParams
 
 def can_speculate(params: SamplingParams, num_output_tokens: int) -> bool:
     """True when acceptance can be exact for these parameters: one choice, no state that changes with each
-    token inside a step (penalties, bad words, a min_tokens mask still active)."""
+    token inside a step (penalties, bad words, a grammar, a min_tokens mask still active)."""
     return (
         params.n == 1
+        and getattr(params, "structured", None) is None
         and params.repetition_penalty == 1.0
         and params.presence_penalty == 0.0
         and params.frequency_penalty == 0.0

@@ -53,7 +53,9 @@ class KernelLinear(DenseLinear):
         """y = x Wᵀ + b (float32 accumulation in the kernel)."""
         if x.shape[0] > MAX_KERNEL_ROWS["none"] or x.dtype == torch.float64:
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-        return self.kernels.linear(x.float().contiguous(), self.weight, self.bias32).to(x.dtype)
+        if x.dtype == torch.float32:  # the common case, without no-op conversions (each costs a dispatch)
+            return self.kernels.linear(x, self.weight, self.bias32)
+        return self.kernels.linear(x.float(), self.weight, self.bias32).to(x.dtype)
 
 
 class QuantizedLinear(nn.Module):
@@ -69,6 +71,7 @@ class QuantizedLinear(nn.Module):
         # tuple of tensors, format-specific (the kernel's argument order): as stored in the file, or quantized here
         self.packed = packed if packed is not None else quantize(weight, fmt)
         self.bias32 = None if bias is None else bias.float()
+        self.kernel = None if kernels is None else getattr(kernels, "linear_" + fmt)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] the quantized one stands for."""
@@ -76,11 +79,12 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         """y = x dequant(W)ᵀ + b, without materialising dequant(W) for small batches when the kernels exist."""
-        x32 = x.float().contiguous()
-        if self.kernels is None or x.shape[0] > MAX_KERNEL_ROWS[self.fmt]:
-            return F.linear(x32, self.dequantized(), self.bias32).to(x.dtype)
-        kernel = getattr(self.kernels, "linear_" + self.fmt)
-        return kernel(x32, *self.packed, self.bias32).to(x.dtype)
+        x32 = x if x.dtype == torch.float32 else x.float()
+        if self.kernel is None or x.shape[0] > MAX_KERNEL_ROWS[self.fmt]:
+            y = F.linear(x32, self.dequantized(), self.bias32)
+        else:
+            y = self.kernel(x32, *self.packed, self.bias32)  # the kernel makes x contiguous if it is not
+        return y if x.dtype == torch.float32 else y.to(x.dtype)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -321,8 +321,15 @@ at::Tensor linear_q4_1(const at::Tensor& x_in, const at::Tensor& qs_in, const at
   Problem p = make_problem(x, N, y);
   p.bias = prep_vec(bias, N, "bias", bk);
   if (x.size(0) == 0) return y;
-  at::Tensor xsum = x.view({x.size(0), K / QK, QK}).sum(-1).contiguous();  // [M, K/32]
-  block_dispatch<Q4_1>(p, qs.data_ptr<uint8_t>(), d.data_ptr<float>(), mn.data_ptr<float>(), xsum.data_ptr<float>());
+  // per-block sums of x [M, K/32], in a plain loop (an at::sum call costs more than the sums at M = 1)
+  std::vector<float> xsum(x.size(0) * (K / QK));
+  const float* xp = x.data_ptr<float>();
+  for (int64_t i = 0; i < static_cast<int64_t>(xsum.size()); ++i) {
+    float s = 0.f;
+    for (int64_t j = 0; j < QK; ++j) s += xp[i * QK + j];
+    xsum[i] = s;
+  }
+  block_dispatch<Q4_1>(p, qs.data_ptr<uint8_t>(), d.data_ptr<float>(), mn.data_ptr<float>(), xsum.data());
   return y;
 }
 

@@ -1,0 +1,209 @@
+// Fused elementwise kernels of a Llama layer: RMSNorm (with the residual add), SiLU-and-mul, and rotary
+// embedding together with the KV-cache write. Each replaces several eager torch ops per layer; the rounding
+// follows the unfused torch code in the tensor's dtype (bf16: every op's result rounded, as eager torch does).
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <vector>
+#include "common.h"
+
+namespace tp {
+namespace {
+
+// Element access for float32 and bfloat16 (bits) rows.
+inline float load(const float* p, int64_t i) { return p[i]; }
+inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
+inline void store(float* p, int64_t i, float v) { p[i] = v; }
+inline void store(uint16_t* p, int64_t i, float v) { p[i] = f32_to_bf16(v); }
+// v as the dtype T holds it (bf16: rounded), back in float.
+inline float round_to(float v, const float*) { return v; }
+inline float round_to(float v, const uint16_t*) { return bf16_to_f32(f32_to_bf16(v)); }
+
+template <class T>
+T* ptr(const at::Tensor& t) {
+  if constexpr (std::is_same_v<T, float>) return t.data_ptr<float>();
+  else return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
+}
+
+// Rows of a [rows, n] job split over torch's threads, about `grain_elems` elements per task.
+template <class F>
+void for_rows(int64_t rows, int64_t n, F&& fn) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(n, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) fn(r);
+  });
+}
+
+// out = w * round(x * rsqrt(mean(x^2) + eps)) over one row of n (float32 statistics).
+template <class T>
+void norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < n; ++i) {
+    const double v = load(x, i);
+    ss += v * v;
+  }
+  const float r = 1.0f / std::sqrt(static_cast<float>(ss / n) + eps);
+  for (int64_t i = 0; i < n; ++i) store(out, i, load(w, i) * round_to(load(x, i) * r, x));
+}
+
+void check_rows(const at::Tensor& x, const at::Tensor& w, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), what, ": x must be a contiguous [T, H] tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, what, ": float32 or bfloat16");
+  TORCH_CHECK(w.dim() == 1 && w.size(0) == x.size(1) && w.is_contiguous(), what, ": weight must be [H]");
+  TORCH_CHECK(w.scalar_type() == x.scalar_type(), what, ": weight and x must share a dtype");
+}
+
+template <class T>
+void add_norm_impl(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w, float eps) {
+  const int64_t n = x.size(1);
+  T *xp = ptr<T>(x), *rp = ptr<T>(residual);
+  const T* wp = ptr<T>(w);
+  for_rows(x.size(0), n, [&](int64_t r) {
+    T *xr = xp + r * n, *rr = rp + r * n;
+    for (int64_t i = 0; i < n; ++i) store(rr, i, load(rr, i) + load(xr, i));
+    norm_row(xr, rr, wp, n, eps);
+  });
+}
+
+#ifdef __AVX2__
+// silu(g) for 8 floats: g / (1 + exp(-g)).
+inline __m256 silu8(__m256 g) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
+#endif
+
+template <class T>
+void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
+  const int64_t f = out.size(1);
+  const T* gp = ptr<T>(gu);
+  T* op = ptr<T>(out);
+  for_rows(out.size(0), f, [&](int64_t r) {
+    const T *g = gp + r * 2 * f, *u = g + f;
+    T* o = op + r * f;
+    int64_t i = 0;
+#ifdef __AVX2__
+    if constexpr (std::is_same_v<T, float>) {
+      for (; i + 8 <= f; i += 8)
+        _mm256_storeu_ps(o + i, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + i)), _mm256_loadu_ps(u + i)));
+    } else {
+      alignas(32) float s[8];
+      for (; i + 8 <= f; i += 8) {
+        _mm256_store_ps(s, silu8(load_bf16x8(g + i)));
+        for (int j = 0; j < 8; ++j) store(o, i + j, round_to(s[j], g) * load(u, i + j));
+      }
+    }
+#endif
+    for (; i < f; ++i) {
+      const float v = load(g, i);
+      store(o, i, round_to(v / (1.0f + std::exp(-v)), g) * load(u, i));
+    }
+  });
+}
+
+// One head row x[D] rotated in place: x*cos + roll(x, D/2)*signed_sin, each product rounded as T.
+template <class T>
+void rotate_head(T* x, const float* cos, const float* sin, int64_t d, float* tmp) {
+  const int64_t half = d / 2;
+  for (int64_t j = 0; j < d; ++j) tmp[j] = load(x, j);
+  for (int64_t j = 0; j < d; ++j) {
+    const float c = round_to(cos[j], x), s = round_to(sin[j], x);
+    const float a = round_to(tmp[j] * c, x), b = round_to(tmp[(j + half) % d] * s, x);
+    store(x, j, a + b);
+  }
+}
+
+struct RopeArgs {
+  int64_t heads, kv_heads, d, row, positions_max;
+  const int64_t *positions, *slots;
+  const float *cos, *sin;
+};
+
+template <class T>
+void rotary_cache_impl(const RopeArgs& a, at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache) {
+  T *qp = ptr<T>(qkv), *kc = ptr<T>(k_cache), *vc = ptr<T>(v_cache);
+  const int64_t kvd = a.kv_heads * a.d, ks0 = k_cache.stride(0), vs0 = v_cache.stride(0);
+  const int64_t ks1 = k_cache.stride(1), vs1 = v_cache.stride(1);
+  for_rows(qkv.size(0), a.row, [&](int64_t t) {
+    std::vector<float> tmp(a.d);
+    T* row = qp + t * a.row;
+    const int64_t pos = a.positions[t];
+    for (int64_t h = 0; h < a.heads + a.kv_heads; ++h)
+      rotate_head(row + h * a.d, a.cos + pos * a.d, a.sin + pos * a.d, a.d, tmp.data());
+    const T *k = row + a.heads * a.d, *v = k + kvd;
+    const int64_t slot = a.slots[t];
+    for (int64_t h = 0; h < a.kv_heads; ++h) {
+      std::memcpy(kc + slot * ks0 + h * ks1, k + h * a.d, a.d * sizeof(T));
+      std::memcpy(vc + slot * vs0 + h * vs1, v + h * a.d, a.d * sizeof(T));
+    }
+  });
+}
+
+}  // namespace
+
+// out [T,H] = weight * rms_norm(x) (float32 statistics, rounded as x's dtype).
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, weight, "rms_norm");
+  auto out = at::empty_like(x);
+  const int64_t n = x.size(1);
+  if (x.scalar_type() == at::kFloat) {
+    const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
+    float* op = out.data_ptr<float>();
+    for_rows(x.size(0), n, [&](int64_t r) { norm_row(op + r * n, xp + r * n, wp, n, (float)eps); });
+  } else {
+    const uint16_t *xp = ptr<uint16_t>(x), *wp = ptr<uint16_t>(weight);
+    uint16_t* op = ptr<uint16_t>(out);
+    for_rows(x.size(0), n, [&](int64_t r) { norm_row(op + r * n, xp + r * n, wp, n, (float)eps); });
+  }
+  return out;
+}
+
+// In place: residual += x; x = weight * rms_norm(residual).
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+  check_rows(x, weight, "add_rms_norm_");
+  TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() &&
+                  residual.scalar_type() == x.scalar_type(), "add_rms_norm_: residual must match x");
+  if (x.scalar_type() == at::kFloat) add_norm_impl<float>(x, residual, weight, (float)eps);
+  else add_norm_impl<uint16_t>(x, residual, weight, (float)eps);
+}
+
+// gate_up [T, 2F] -> silu(gate) * up [T, F].
+at::Tensor silu_and_mul(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0,
+              "silu_and_mul: gate_up must be a contiguous [T, 2F] tensor");
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  if (gate_up.scalar_type() == at::kFloat) silu_mul_impl<float>(gate_up, out);
+  else if (gate_up.scalar_type() == at::kBFloat16) silu_mul_impl<uint16_t>(gate_up, out);
+  else TORCH_CHECK(false, "silu_and_mul: float32 or bfloat16");
+  return out;
+}
+
+// In place on qkv [T, (H + 2 KVH) * D]: rotate the q and k heads at `positions` with the float32 tables
+// cos / signed sin [P, D], then store k and v rows into k_cache / v_cache [S, KVH, D] at `slots`.
+void rotary_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                   at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, int64_t heads,
+                   int64_t kv_heads) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "rotary_cache_: qkv must be a contiguous [T, C] tensor");
+  TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "rotary_cache_: caches must be [S, KVH, D]");
+  TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "rotary_cache_: cache rows contiguous in D");
+  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
+              "rotary_cache_: caches and qkv must share a dtype");
+  const int64_t d = k_cache.size(2), T = qkv.size(0);
+  TORCH_CHECK(k_cache.size(1) == kv_heads && qkv.size(1) == (heads + 2 * kv_heads) * d, "rotary_cache_: shapes");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
+                  sin.is_contiguous() && cos.size(1) == d && sin.sizes() == cos.sizes(),
+              "rotary_cache_: cos/sin must be contiguous float32 [P, D]");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && slots.scalar_type() == at::kLong && positions.numel() == T &&
+                  slots.numel() == T && positions.is_contiguous() && slots.is_contiguous(),
+              "rotary_cache_: positions and slots must be contiguous int64 [T]");
+  RopeArgs a{heads, kv_heads, d, qkv.size(1), cos.size(0), positions.data_ptr<int64_t>(), slots.data_ptr<int64_t>(),
+             cos.data_ptr<float>(), sin.data_ptr<float>()};
+  for (int64_t t = 0; t < T; ++t) {
+    TORCH_CHECK(a.positions[t] >= 0 && a.positions[t] < a.positions_max, "rotary_cache_: position out of range");
+    TORCH_CHECK(a.slots[t] >= 0 && a.slots[t] < k_cache.size(0), "rotary_cache_: slot out of range");
+  }
+  if (qkv.scalar_type() == at::kFloat) rotary_cache_impl<float>(a, qkv, k_cache, v_cache);
+  else if (qkv.scalar_type() == at::kBFloat16) rotary_cache_impl<uint16_t>(a, qkv, k_cache, v_cache);
+  else TORCH_CHECK(false, "rotary_cache_: float32 or bfloat16");
+}
+
+}  // namespace tp

@@ -1,0 +1,108 @@
+"""`twophase calibrate`: time real engine steps over a grid of mixes (or read `/v1/records` dumps) and fit the
+step-time model the simulator and `--step-budget auto` use."""
+
+from __future__ import annotations
+
+import json
+import logging
+import platform
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Iterable
+
+import numpy as np
+
+from twophase.outputs import StepRecord
+from twophase.sampling_params import SamplingParams
+from twophase.steptime.budget import FixedBudget
+from twophase.steptime.features import StepFeatures, record_features
+from twophase.steptime.model import StepTimeModel, busy_gap, fit_step_time_model
+
+log = logging.getLogger(__name__)
+
+
+def grid_records(engine: Any, budgets: list[int], concurrencies: list[int], prompt_lens: list[int],
+                 output_len: int, seed: int = 0, progress: bool = True) -> list[StepRecord]:
+    """Run ``concurrency`` random prompts of each length under each fixed budget on a live engine; its steps."""
+    rng = np.random.default_rng(seed)
+    vocab = engine.model_config.vocab_size
+    _run_batch(engine, [rng.integers(0, vocab, 32).tolist()], 4)  # warm-up, not recorded
+    records: list[StepRecord] = []
+    points = [(b, c, p) for b in budgets for c in concurrencies for p in prompt_lens]
+    for index, (budget, concurrency, prompt_len) in enumerate(points):
+        engine.scheduler.budget_policy = FixedBudget(budget)
+        prompt_len = min(prompt_len, engine.max_model_len - output_len - 1)
+        first = len(engine.step_records)
+        started = time.perf_counter()
+        _run_batch(engine, [rng.integers(0, vocab, prompt_len).tolist() for _ in range(concurrency)], output_len)
+        records += list(engine.step_records)[first:]
+        if progress:
+            print(f"[{index + 1}/{len(points)}] budget {budget}, {concurrency} x {prompt_len} prompt tokens: "
+                  f"{len(engine.step_records) - first} steps in {time.perf_counter() - started:.1f} s", flush=True)
+    return records
+
+
+def _run_batch(engine: Any, prompts: list[list[int]], output_len: int) -> None:
+    params = SamplingParams(temperature=0.0, max_tokens=output_len, ignore_eos=True)
+    for prompt in prompts:
+        engine.add_request(prompt, params, detokenize=False)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def records_from_dumps(paths: Iterable[str]) -> tuple[list[StepFeatures], list[float], float]:
+    """Features, durations and the busy inter-step gap from `/v1/records` JSON dumps."""
+    features, durations, gaps = [], [], []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        steps = data.get("steps") if isinstance(data, dict) else None
+        if steps is None:
+            raise ValueError(f"{path}: not a /v1/records dump (no 'steps')")
+        if steps and "prefill_rows" not in steps[0]:
+            raise ValueError(f"{path}: its steps carry no step features (recorded by an older twophase)")
+        features += [record_features(s) for s in steps]
+        durations += [float(s["duration"]) for s in steps]
+        gaps.append(busy_gap([s["start_time"] for s in steps], [s["duration"] for s in steps],
+                             [s["step_id"] for s in steps]))  # fmt: skip
+    return features, durations, float(np.median(gaps)) if gaps else 0.0
+
+
+def fit_from_records(records: list[StepRecord], meta: dict[str, Any]) -> StepTimeModel:
+    """Fit on engine StepRecords; the gap is the median busy gap between them."""
+    gap = busy_gap([r.start_time for r in records], [r.duration for r in records], [r.step_id for r in records])
+    model = fit_step_time_model([record_features(r) for r in records], [r.duration for r in records], gap)
+    model.meta.update(meta)
+    return model
+
+
+def describe_model(model: StepTimeModel) -> str:
+    """The fitted coefficients and the fit's errors, for the terminal."""
+    from twophase.steptime.features import FEATURE_NAMES
+
+    units = {"constant": "ms", "prefill_attention_pairs": "ns", "decode_context_tokens": "ns"}
+    lines = ["{s:{c}^{n}}".format(s=" Step-time model ", n=50, c="=")]
+    for name, value in zip(FEATURE_NAMES, model.coefficients):
+        unit = units.get(name, "us")
+        scale = {"ms": 1e3, "us": 1e6, "ns": 1e9}[unit]
+        lines.append("{:<40} {:<10.4f}".format(f"{name} ({unit}):", value * scale))
+    lines.append("{:<40} {:<10.3f}".format("inter-step gap (ms):", model.gap_s * 1e3))
+    if model.report:
+        r = model.report
+        lines += ["{:<40} {:<10}".format("steps fitted / held out:", f"{r.num_steps} / {r.num_holdout}"),
+                  "{:<40} {:<10.2f}".format("mean relative error, fit (%):", 100 * r.train_mean_rel_error),
+                  "{:<40} {:<10.2f}".format("mean relative error, hold-out (%):", 100 * r.holdout_mean_rel_error),
+                  "{:<40} {:<10.2f}".format("p90 relative error, hold-out (%):", 100 * r.holdout_p90_rel_error)]
+    lines.append("=" * 50)
+    return "\n".join(lines)
+
+
+def engine_meta(engine: Any, grid: dict[str, Any]) -> dict[str, Any]:
+    """Where the calibration ran: model, weights, threads, machine, grid, date."""
+    import torch
+
+    return {"model": str(engine.config.model), "dtype": str(engine.dtype).removeprefix("torch."),
+            "quantization": engine.config.quantization, "threads": torch.get_num_threads(),
+            "machine": platform.machine(), "processor": platform.processor(), "num_kv_blocks":
+            engine.scheduler.block_manager.num_blocks, "block_size": engine.config.cache.block_size, "grid": grid,
+            "date": datetime.now().strftime("%Y%m%d-%H%M%S")}  # fmt: skip

@@ -1,0 +1,177 @@
+"""Drive the real ``Scheduler`` and ``BlockManager`` in virtual time.
+
+Each step: the scheduler builds its batch exactly as in the engine; a ``NullRunner`` "samples" one fixed token per
+sampling row (requests carry ``ignore_eos`` and ``max_tokens``, so output lengths are scripted); the virtual clock
+advances by the predictor's step duration, then by the inter-step gap. Arrivals follow the client's schedule
+(offsets, plus a concurrency limit released when a request finishes). Nothing here reads the wall clock.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+import numpy as np
+
+from twophase.bench.metrics import RequestRecord
+from twophase.config import SchedulerConfig
+from twophase.engine.scheduler import Scheduler
+from twophase.kv_cache.block_manager import BlockManager
+from twophase.metrics.goodput import timeline_record
+from twophase.outputs import ModelRunnerOutput, SchedulerOutput, StepRecord
+from twophase.request import Request, RequestStatus
+from twophase.sampling_params import InvalidRequestError, SamplingParams
+from twophase.steptime.budget import BudgetPolicy
+from twophase.steptime.features import StepFeatures, make_step_record, step_features
+from twophase.steptime.model import StepTimeModel
+
+log = logging.getLogger(__name__)
+
+
+class VirtualClock:
+    """A clock that moves only when told to."""
+
+    def __init__(self, start: float = 0.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        """Move forward (never back)."""
+        self.now += max(0.0, seconds)
+
+    def advance_to(self, when: float) -> None:
+        """Move to ``when`` if it is later."""
+        self.now = max(self.now, when)
+
+
+class Predictor(Protocol):
+    """Step duration from its features."""
+
+    def predict(self, features: StepFeatures) -> float: ...
+
+
+class ModelPredictor:
+    """A StepTimeModel, optionally multiplied by residual ratios drawn from its calibration (seeded), with a
+    warning the first time a step leaves the calibrated range of a feature."""
+
+    def __init__(self, model: StepTimeModel, noise: bool = False, seed: int = 0) -> None:
+        self.model = model
+        self.rng = np.random.default_rng(seed) if noise and model.residual_ratios else None
+        self.warned: set[str] = set()
+        self.num_out_of_range = 0
+
+    def predict(self, features: StepFeatures) -> float:
+        """Model seconds × a drawn residual ratio (when noise is on)."""
+        outside = self.model.out_of_range(features)
+        if outside:
+            self.num_out_of_range += 1
+            for name in set(outside) - self.warned:
+                log.warning("simulated step leaves the calibrated range of %s (%s); the prediction extrapolates",
+                            name, features)  # fmt: skip
+                self.warned.add(name)
+        seconds = self.model.predict(features)
+        if self.rng is not None:
+            seconds *= float(self.rng.choice(self.model.residual_ratios))
+        return seconds
+
+
+class NullRunner:
+    """Returns one token per sampling row without computing anything."""
+
+    def __init__(self, token_id: int = 0) -> None:
+        self.token_id = token_id
+
+    def execute(self, output: SchedulerOutput) -> ModelRunnerOutput:
+        """``token_id`` for every request whose chunk reached its last known token."""
+        return ModelRunnerOutput(sampled_token_ids={s.request_id: self.token_id for s in output.scheduled if s.sample})
+
+
+@dataclass
+class SimRequest:
+    """One request of the workload: prompt ids, tokens to generate, client send offset (s from the start)."""
+
+    prompt_token_ids: list[int]
+    max_tokens: int
+    send_offset: float = 0.0
+    request_id: str | None = None
+
+
+@dataclass
+class SimResult:
+    """What a simulated run produced: client-side records (bench serve's), steps, requests, duration."""
+
+    records: list[RequestRecord]
+    duration: float
+    steps: list[StepRecord]
+    requests: list[Request]
+    step_tokens: dict[str, list[int]] = field(default_factory=dict)  # request id → step id of each output token
+    num_out_of_range: int = 0
+
+
+class Simulator:
+    """The real scheduler over a virtual clock. ``gap`` is the inter-step gap: seconds, or a function called
+    once per step (the oracle replays recorded gaps)."""
+
+    def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, predictor: Predictor,
+                 gap: float | Callable[[], float] = 0.0, enable_prefix_caching: bool = True,
+                 budget_policy: BudgetPolicy | None = None, start_time: float = 0.0) -> None:
+        self.clock = VirtualClock(start_time)
+        self.scheduler = Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching), self.clock,
+                                   budget_policy)  # fmt: skip
+        self.predictor = predictor
+        self.gap = gap if callable(gap) else (lambda: float(gap))
+        self.runner = NullRunner()
+        self.steps: list[StepRecord] = []
+        self.step_tokens: dict[str, list[int]] = {}
+
+    def run(self, workload: Sequence[SimRequest], max_concurrency: int | None = None) -> SimResult:
+        """Send every request on its schedule, step until all finish; returns bench serve's records."""
+        t0 = self.clock()
+        pending = sorted(range(len(workload)), key=lambda i: workload[i].send_offset)
+        pending.reverse()  # pop() takes the earliest
+        limit = max_concurrency or len(workload) or 1
+        sent: list[tuple[Request, float]] = []
+        in_flight = 0
+        while pending or self.scheduler.has_unfinished:
+            while pending and in_flight < limit and t0 + workload[pending[-1]].send_offset <= self.clock():
+                sent.append(self._send(workload[pending.pop()], len(sent)))
+                in_flight += not sent[-1][0].finished
+            if not self.scheduler.has_unfinished:
+                self.clock.advance_to(t0 + workload[pending[-1]].send_offset)
+                continue
+            in_flight -= self.step()
+        duration = self.clock() - t0
+        records = [timeline_record(r.timeline, r.num_prompt_tokens, send) for r, send in sent]
+        return SimResult(records, duration, self.steps, [r for r, _ in sent], self.step_tokens,
+                         getattr(self.predictor, "num_out_of_range", 0))  # fmt: skip
+
+    def _send(self, item: SimRequest, index: int) -> tuple[Request, float]:
+        """Queue one request arriving now; one the engine would refuse ends at once, failed, as in bench serve."""
+        now = self.clock()
+        params = SamplingParams(temperature=0.0, max_tokens=item.max_tokens, ignore_eos=True)
+        request = Request(item.request_id or f"sim-{index}", item.prompt_token_ids, params, arrival_time=now)
+        try:
+            self.scheduler.add_request(request)
+        except InvalidRequestError as exc:
+            request.status = RequestStatus.FINISHED_ABORTED
+            request.timeline.finish_reason = f"refused: {exc}"
+        return request, now
+
+    def step(self) -> int:
+        """One engine step in virtual time (schedule, predict, advance, update, gap); returns requests finished."""
+        start = self.clock()
+        output = self.scheduler.schedule()
+        busy = bool(output.scheduled or output.preempted_request_ids)  # the engine records exactly these steps
+        if not busy:
+            raise RuntimeError(f"the scheduler scheduled nothing with {len(self.scheduler.waiting)} requests waiting")
+        duration = self.predictor.predict(step_features(output))
+        self.clock.advance(duration)
+        updates = self.scheduler.update(output, self.runner.execute(output))
+        for update in updates:
+            self.step_tokens.setdefault(update.request.request_id, []).append(output.step_id)
+        self.steps.append(make_step_record(output, self.scheduler, start, duration))
+        self.clock.advance(self.gap())
+        return sum(u.finished for u in updates)

@@ -1,0 +1,131 @@
+"""Step budget policies: how many tokens the scheduler may put in the next step.
+
+``FixedBudget`` is ``max_num_batched_tokens`` every step. ``SloBudget`` (``--step-budget auto``) picks, before
+each step, the largest prefill chunk whose predicted step time — with the decode rows already in the step — stays
+within the inter-token-latency objective, corrected by a running ratio of actual to predicted step time; never
+below a floor while prompts wait, and the cap when nothing decodes (no decode stream to protect).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol, Sequence
+
+from twophase.config import SchedulerConfig
+from twophase.outputs import SchedulerOutput
+from twophase.request import Request
+from twophase.steptime.features import StepFeatures, step_features
+from twophase.steptime.model import StepTimeModel
+
+
+class BudgetPolicy(Protocol):
+    """What the scheduler asks before and tells after each step."""
+
+    def step_budget(self, running: Sequence[Request], waiting: Sequence[Request]) -> int:
+        """Token budget of the next step, from the queues as they are before it is scheduled."""
+        ...
+
+    def predict(self, output: SchedulerOutput) -> float | None:
+        """Predicted seconds of the scheduled batch (None without a model)."""
+        ...
+
+    def observe(self, predicted: float | None, actual: float) -> None:
+        """The step's measured seconds, next to its prediction."""
+        ...
+
+
+class FixedBudget:
+    """The same budget every step."""
+
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+
+    def step_budget(self, running: Sequence[Request], waiting: Sequence[Request]) -> int:
+        """The fixed budget."""
+        return self.budget
+
+    def predict(self, output: SchedulerOutput) -> float | None:
+        """No model: None."""
+        return None
+
+    def observe(self, predicted: float | None, actual: float) -> None:
+        """Nothing to learn."""
+
+
+class SloBudget:
+    """The largest prefill chunk that keeps the predicted step within ``itl_s`` (see the module docstring)."""
+
+    def __init__(self, model: StepTimeModel, itl_s: float, cap: int, floor: int = 32, max_num_seqs: int | None = None,
+                 smoothing: float = 0.1) -> None:
+        if itl_s <= 0:
+            raise ValueError("the ITL objective must be positive")
+        self.model, self.itl_s, self.cap, self.floor = model, itl_s, cap, min(floor, cap)
+        self.max_num_seqs, self.smoothing = max_num_seqs, smoothing
+        self.ratio = 1.0  # running actual ÷ predicted
+
+    def step_budget(self, running: Sequence[Request], waiting: Sequence[Request]) -> int:
+        """decode rows + the largest prefill chunk within the objective (floor ≤ chunk; total ≤ cap).
+
+        The chunk may be split over every prompt that can join the step (running partial prefills, then waiting
+        prompts up to ``max_num_seqs``): each adds its row cost, and the chunk is priced as one row from the latest
+        start position among them — an upper bound on the causal pairs of any split from those positions."""
+        decode = [r for r in running if _is_decoding(r)]
+        starts = [r.num_computed_tokens for r in running if not _is_decoding(r)]
+        free_seqs = len(waiting) if self.max_num_seqs is None else max(0, self.max_num_seqs - len(running))
+        starts += [0] * min(len(waiting), free_seqs)  # a prefix-cache hit only makes a waiting prompt cheaper
+        if not decode or not starts:
+            return self.cap
+        base = StepFeatures(decode_rows=len(decode), decode_context_tokens=sum(r.num_tokens for r in decode),
+                            sampled_rows=len(decode))  # fmt: skip
+        chunk = max(self.largest_chunk(base, max(starts), len(starts)), self.floor)
+        return min(self.cap, len(decode) + chunk)
+
+    def largest_chunk(self, base: StepFeatures, start: int, rows: int = 1) -> int:
+        """Largest n ≥ 0 with ratio · predict(base + n prefill tokens over ``rows`` rows, priced as one chunk
+        from ``start``) + gap ≤ itl_s (a decode row's next token comes one step plus one gap later).
+
+        The prediction is a + b·n + q·n² (q from the causal pairs n·start + n(n+1)/2), solved in closed form."""
+        c = dict(zip(("constant", "pt", "pr", "pp", "dr", "dc", "s"), self.model.coefficients))
+        a = self.model.predict(base) + rows * (c["pr"] + c["s"])  # each row, sampled when it completes its prompt
+        b = c["pt"] + c["pp"] * (start + 0.5)
+        q = c["pp"] / 2
+        room = (self.itl_s - self.model.gap_s) / self.ratio - a
+        if room <= 0:
+            return 0
+        if q > 0:
+            n = (-b + math.sqrt(b * b + 4 * q * room)) / (2 * q)
+        elif b > 0:
+            n = room / b
+        else:
+            return self.cap
+        return int(min(math.floor(n + 1e-9), self.cap))
+
+    def predict(self, output: SchedulerOutput) -> float | None:
+        """The model's (uncorrected) seconds for the batch."""
+        features = step_features(output)
+        return None if features.is_empty else self.model.predict(features)
+
+    def observe(self, predicted: float | None, actual: float) -> None:
+        """Move the running ratio toward actual ÷ predicted (bounded to [0.25, 4])."""
+        if predicted and actual > 0:
+            sample = min(4.0, max(0.25, actual / predicted))
+            self.ratio += self.smoothing * (sample - self.ratio)
+
+
+def _is_decoding(request: Request) -> bool:
+    """True when the request's next step is one decode token."""
+    return request.num_output_tokens > 0 and request.num_computed_tokens == request.num_tokens - 1
+
+
+def make_budget_policy(config: SchedulerConfig) -> BudgetPolicy:
+    """The policy the config names: fixed, or auto (needs ``slo_itl_ms`` and ``step_time_model``)."""
+    if config.step_budget == "fixed":
+        return FixedBudget(config.max_num_batched_tokens)
+    if config.step_budget != "auto":
+        raise ValueError(f"unknown step budget {config.step_budget!r}; use a number of tokens or auto")
+    if not config.slo_itl_ms or not config.step_time_model:
+        raise ValueError("--step-budget auto needs --slo-itl-ms (or --slo-tpot-ms) and --step-time-model FILE "
+                         "(written by `twophase calibrate`)")  # fmt: skip
+    model = StepTimeModel.load(config.step_time_model)
+    return SloBudget(model, config.slo_itl_ms / 1000, config.max_num_batched_tokens, config.min_prefill_tokens,
+                     config.max_num_seqs)

@@ -1,0 +1,154 @@
+"""Features → step duration: a linear model with non-negative coefficients, fitted on relative error.
+
+``fit_step_time_model`` solves weighted non-negative least squares (Lawson–Hanson active set, numpy only), checks
+itself on a held-out fifth of the steps, and keeps the residual ratios (actual ÷ predicted) as the noise
+distribution the simulator may draw from. The model saves to and loads from a small JSON file.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from twophase.steptime.features import FEATURE_NAMES, StepFeatures
+
+SCHEMA = "twophase.steptime.v1"
+MIN_STEP_S = 1e-6
+log = logging.getLogger(__name__)
+
+
+def nnls(a: np.ndarray, b: np.ndarray, max_iter: int | None = None) -> np.ndarray:
+    """argmin ‖a·x − b‖₂ subject to x ≥ 0 (Lawson & Hanson's active-set method). a: [m, n], b: [m] → x: [n]."""
+    m, n = a.shape
+    passive = np.zeros(n, dtype=bool)
+    x = np.zeros(n)
+    tol = 10 * np.finfo(float).eps * np.abs(a).sum(axis=0).max() * max(m, n)
+    for _ in range(max_iter or 3 * n + 10):
+        gradient = a.T @ (b - a @ x)  # [n]
+        if passive.all() or gradient[~passive].max() <= tol:
+            break
+        passive[np.argmax(np.where(passive, -np.inf, gradient))] = True
+        while True:
+            z = np.zeros(n)
+            z[passive] = np.linalg.lstsq(a[:, passive], b, rcond=None)[0]
+            if z[passive].min() > 0:
+                x = z
+                break
+            blocked = passive & (z <= 0)
+            alpha = np.min(x[blocked] / (x[blocked] - z[blocked]))
+            x = x + alpha * (z - x)
+            passive &= x > tol
+            x[~passive] = 0.0
+    return x
+
+
+@dataclass
+class FitReport:
+    """How well the model fits: relative errors |pred − actual| / actual on the fitted and held-out steps."""
+
+    num_steps: int
+    num_holdout: int
+    train_mean_rel_error: float
+    holdout_mean_rel_error: float
+    holdout_p90_rel_error: float
+
+
+@dataclass
+class StepTimeModel:
+    """duration = Σ coefficient · feature (FEATURE_NAMES order), plus the calibration's context.
+
+    ``feature_max``: the largest value of each feature seen in calibration (a step beyond it is extrapolated);
+    ``residual_ratios``: actual ÷ predicted of the calibration steps; ``gap_s``: the median time between the end
+    of one step and the start of the next while the engine is busy."""
+
+    coefficients: list[float]
+    feature_max: list[float] = field(default_factory=list)
+    residual_ratios: list[float] = field(default_factory=list)
+    gap_s: float = 0.0
+    report: FitReport | None = None
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def predict(self, features: StepFeatures) -> float:
+        """Predicted seconds of one step."""
+        return max(MIN_STEP_S, float(np.dot(self.coefficients, features.vector())))
+
+    def out_of_range(self, features: StepFeatures) -> list[str]:
+        """Names of the features above the calibrated range."""
+        if not self.feature_max:
+            return []
+        return [name for name, v, hi in zip(FEATURE_NAMES, features.vector(), self.feature_max) if v > hi]
+
+    def coefficient(self, name: str) -> float:
+        """One coefficient by feature name."""
+        return self.coefficients[FEATURE_NAMES.index(name)]
+
+    def to_json(self) -> dict[str, Any]:
+        """The saved form."""
+        out = {"schema": SCHEMA, "features": list(FEATURE_NAMES), **asdict(self)}
+        return out
+
+    def save(self, path: str | Path) -> Path:
+        """Write the JSON file (parents created)."""
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_json(), indent=1))
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "StepTimeModel":
+        """Read a file written by ``save``; a clear ValueError when it is not one."""
+        try:
+            data = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: not a step-time model file ({exc})") from exc
+        if data.get("schema") != SCHEMA or list(data.get("features", [])) != list(FEATURE_NAMES):
+            raise ValueError(f"{path}: not a {SCHEMA} step-time model (run `twophase calibrate`)")
+        report = FitReport(**data["report"]) if data.get("report") else None
+        return cls(list(map(float, data["coefficients"])), list(map(float, data.get("feature_max", []))),
+                   list(map(float, data.get("residual_ratios", []))), float(data.get("gap_s", 0.0)), report,
+                   dict(data.get("meta", {})))  # fmt: skip
+
+
+def _fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Non-negative coefficients minimising Σ ((x·c − y) / y)²; columns scaled to unit max for conditioning."""
+    scale = np.abs(x).max(axis=0)
+    scale[scale == 0] = 1.0
+    weighted = (x / scale) / y[:, None]  # [m, n]
+    return nnls(weighted, np.ones_like(y)) / scale
+
+
+def _rel_errors(x: np.ndarray, y: np.ndarray, coef: np.ndarray) -> np.ndarray:
+    return np.abs(np.maximum(x @ coef, MIN_STEP_S) - y) / y
+
+
+def fit_step_time_model(features: Sequence[StepFeatures], durations: Sequence[float], gap_s: float = 0.0,
+                        holdout_fraction: float = 0.2, seed: int = 0) -> StepTimeModel:
+    """Fit on all steps; the report's hold-out errors come from a fit that did not see a random fifth of them."""
+    keep = [(f, d) for f, d in zip(features, durations) if not f.is_empty and d > 0]
+    if len(keep) < len(FEATURE_NAMES) + 2:
+        raise ValueError(f"need at least {len(FEATURE_NAMES) + 2} timed steps to fit a step-time model, got {len(keep)}")
+    x = np.array([f.vector() for f, _ in keep])  # [m, n]
+    y = np.array([d for _, d in keep])  # [m]
+    order = np.random.default_rng(seed).permutation(len(y))
+    num_holdout = max(1, int(len(y) * holdout_fraction))
+    test, train = order[:num_holdout], order[num_holdout:]
+    holdout_errors = _rel_errors(x[test], y[test], _fit(x[train], y[train]))
+    coef = _fit(x, y)
+    ratios = y / np.maximum(x @ coef, MIN_STEP_S)
+    report = FitReport(len(y), num_holdout, float(_rel_errors(x, y, coef).mean()), float(holdout_errors.mean()),
+                       float(np.percentile(holdout_errors, 90)))  # fmt: skip
+    return StepTimeModel(coef.tolist(), x.max(axis=0).tolist(), np.round(ratios, 4).tolist(), gap_s, report)
+
+
+def busy_gap(start_times: Sequence[float], durations: Sequence[float], step_ids: Sequence[int]) -> float:
+    """Median time from one step's end to the next step's start over consecutive step ids (the engine's own
+    overhead between steps: output processing, streaming, the loop)."""
+    gaps = [start_times[i + 1] - (start_times[i] + durations[i]) for i in range(len(step_ids) - 1)
+            if step_ids[i + 1] == step_ids[i] + 1]  # fmt: skip
+    gaps = [g for g in gaps if g >= 0]
+    return float(np.median(gaps)) if gaps else 0.0
