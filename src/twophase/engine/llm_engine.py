@@ -54,13 +54,18 @@ def build_model_runner(config: EngineConfig, source, tp=None, progress: bool = T
         torch.set_num_threads(threads_per_rank(config))
     torch.manual_seed(config.seed)
     max_model_len = min(config.scheduler.max_model_len, source.config.max_position_embeddings)
-    options = RunnerOptions(config.quantization, config.attention_backend, config.linear_backend, config.scheduler.max_num_seqs)
     return ModelRunner(
         source.config, source.iter_weights(progress=progress), config.cache, max_model_len,
-        resolve_dtype(config.dtype, device), device, seed=config.seed, options=options,
+        resolve_dtype(config.dtype, device), device, seed=config.seed, options=runner_options(config),
         native_weights=source.native_quantized_weights() if config.quantization in NATIVE_QUANTIZATIONS else None,
         tp=tp,
     )  # fmt: skip
+
+
+def runner_options(config: EngineConfig) -> RunnerOptions:
+    """How the runners of ``config`` execute (weight format, backends, batch size)."""
+    return RunnerOptions(config.quantization, config.attention_backend, config.linear_backend,
+                         config.scheduler.max_num_seqs)
 
 
 class LLMEngine:
@@ -100,7 +105,9 @@ class LLMEngine:
         self.step_records: collections.deque[StepRecord] = collections.deque(maxlen=MAX_STEP_RECORDS)
         self._ids = itertools.count()
         self.speculative_config = SpeculativeConfig.parse(config.speculative_config)
-        self.proposer = self._make_proposer(self.speculative_config, max_model_len, options)
+        self.proposer = self._make_proposer(self.speculative_config, max_model_len, runner_options(config))
+        self._grammar_compiler = None  # built on the first structured-output request
+        self._grammar_lock = threading.Lock()
 
     def _make_proposer(self, spec: SpeculativeConfig | None, max_model_len: int, options: RunnerOptions):
         """None (speculation off), an NgramProposer, or a DraftModelProposer with its own runner and KV cache."""
@@ -114,8 +121,6 @@ class LLMEngine:
                                     self.device, options)  # fmt: skip
         log.info("draft model: %s", runner.describe())
         return DraftModelProposer(runner, spec.num_speculative_tokens, self.model_config.vocab_size)
-        self._grammar_compiler = None  # built on the first structured-output request
-        self._grammar_lock = threading.Lock()
 
     def close(self) -> None:
         """Stop tensor-parallel workers (no-op without them); the engine cannot step afterwards."""
@@ -260,8 +265,5 @@ class LLMEngine:
     def _record_step(self, scheduler_output, start: float, updates: list) -> None:
         if not scheduler_output.scheduled and not scheduler_output.preempted_request_ids:
             return
-        record = make_step_record(scheduler_output, self.scheduler, start, time.monotonic() - start)
-        record.num_output_tokens = sum(len(u.new_token_ids) for u in updates)
-        record.num_draft_tokens = sum(u.num_draft_tokens for u in updates)
-        record.num_accepted_tokens = sum(u.num_accepted_tokens for u in updates)
-        self.step_records.append(record)
+        self.step_records.append(make_step_record(scheduler_output, self.scheduler, start, time.monotonic() - start,
+                                                  updates))  # fmt: skip

@@ -172,6 +172,6 @@ class Simulator:
         updates = self.scheduler.update(output, self.runner.execute(output))
         for update in updates:
             self.step_tokens.setdefault(update.request.request_id, []).append(output.step_id)
-        self.steps.append(make_step_record(output, self.scheduler, start, duration))
+        self.steps.append(make_step_record(output, self.scheduler, start, duration, updates))
         self.clock.advance(self.gap())
         return sum(u.finished for u in updates)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dataclasses import astuple, dataclass
 from typing import Any
 
@@ -65,8 +67,11 @@ def record_features(record: Any) -> StepFeatures:
     )  # fmt: skip
 
 
-def make_step_record(output: SchedulerOutput, scheduler: Any, start: float, duration: float) -> StepRecord:
-    """The StepRecord of a finished step (engine and simulator build it the same way)."""
+def make_step_record(
+    output: SchedulerOutput, scheduler: Any, start: float, duration: float, updates: Sequence[Any] = ()
+) -> StepRecord:
+    """The StepRecord of a finished step (engine and simulator build it the same way); ``updates``: the
+    scheduler's StepUpdates of the step (tokens produced, proposals verified and accepted)."""
     features = step_features(output)
     block_manager = scheduler.block_manager
     return StepRecord(
@@ -78,4 +83,7 @@ def make_step_record(output: SchedulerOutput, scheduler: Any, start: float, dura
         prefill_attention_pairs=features.prefill_attention_pairs, decode_rows=features.decode_rows,
         decode_context_tokens=features.decode_context_tokens, sampled_rows=features.sampled_rows,
         token_budget=output.token_budget, predicted_duration=output.predicted_duration,
+        num_output_tokens=sum(len(u.new_token_ids) for u in updates),
+        num_draft_tokens=sum(u.num_draft_tokens for u in updates),
+        num_accepted_tokens=sum(u.num_accepted_tokens for u in updates),
     )  # fmt: skip
