@@ -24,9 +24,20 @@ def build_model(
         raise ConfigError(f"unsupported architecture {config.architecture!r}; supported: {', '.join(MODEL_CLASSES)}")
     with torch.device("meta"):
         model = cls(config, max_positions, backend)
-    model = model.to_empty(device=device).to(dtype)
+    _materialize(model, dtype, device)
     model.rotary.build_tables()  # computed in float32, never loaded
     return model
+
+
+def _materialize(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Give every meta parameter and buffer uninitialised storage: parameters in ``dtype``, buffers keep theirs.
+    (``Module.to_empty`` does the same through ``empty_like`` on meta tensors, which costs ~1 s of Python refs.)"""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            empty = torch.empty(param.shape, dtype=dtype, device=device)
+            setattr(module, name, torch.nn.Parameter(empty, requires_grad=param.requires_grad))
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            module._buffers[name] = torch.empty(buffer.shape, dtype=buffer.dtype, device=device)
 
 
 def random_weights(config: ModelConfig, seed: int = 0, std: float = 0.02):
