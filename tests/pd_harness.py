@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from server_harness import MODEL_NAME, STARTUP_TIMEOUT_S, free_port
+from server_harness import MODEL_NAME, STARTUP_TIMEOUT_S, free_port, stop_process
 
 
 class Process:
@@ -59,15 +58,7 @@ class Process:
 
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM, wait (SIGKILL if it hangs); the exit status."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
+        return stop_process(self.proc, self.log, timeout)
 
 
 def kv_state(server: Process) -> dict:

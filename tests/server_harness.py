@@ -65,15 +65,20 @@ class ServerProcess:
 
     def stop(self, timeout: float = 30.0) -> int:
         """SIGTERM, wait, return the exit status (SIGKILL if it hangs)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.log.close()
-        return self.proc.returncode
+        return stop_process(self.proc, self.log, timeout)
+
+
+def stop_process(proc: subprocess.Popen, log, timeout: float = 30.0) -> int:
+    """SIGTERM ``proc``, wait (SIGKILL if it hangs), close its log file; the exit status."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    log.close()
+    return proc.returncode
 
 
 def scrape(base_url: str, headers: dict[str, str] | None = None) -> dict[tuple[str, tuple], float]:

@@ -7,18 +7,9 @@ import itertools
 
 import pytest
 
+from tiny_models import MIXED_PROMPTS as PROMPTS
 from twophase import LLM, SamplingParams
 
-PROMPTS = [
-    [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14, 8],
-    [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14, 8, 100, 101, 102, 103, 104],  # shares 3 blocks with the first
-    [200, 201, 202],
-    [7] * 20,
-    [300, 12, 45, 67, 89, 10, 11],
-    [5, 17, 3, 88, 41, 9, 60, 2, 1, 1, 1, 1, 1],  # shares 2 blocks with the first
-    [42],
-    [250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260, 261, 262, 263, 264, 265, 266, 267, 268],
-]
 NUM_TOKENS = 16
 BUDGETS = {"4": 4, "7": 7, "64": 64, "unchunked": None}
 

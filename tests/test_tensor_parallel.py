@@ -17,19 +17,13 @@ import torch
 
 from twophase import LLM, SamplingParams
 from twophase.config import CacheConfig, ConfigError, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
+from tiny_models import MIXED_PROMPTS
 from twophase.distributed.group import TensorParallelError
 from twophase.distributed.sharding import check_size, plan_shards, split, valid_sizes
 from twophase.engine.llm_engine import LLMEngine
 from twophase.outputs import ScheduledRequest, SchedulerOutput
 
-PROMPTS = [
-    [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14, 8],
-    [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14, 8, 100, 101, 102, 103, 104],  # shares 3 blocks with the first
-    [200, 201, 202],
-    [7] * 20,
-    [300, 12, 45, 67, 89, 10, 11],
-    [5, 17, 3, 88, 41, 9, 60, 2, 1, 1, 1, 1, 1],  # shares 2 blocks with the first
-]
+PROMPTS = MIXED_PROMPTS[:6]
 NUM_TOKENS = 32
 SMOLLM2 = ModelConfig("LlamaForCausalLM", 49152, 576, 1536, 30, 9, 3, 64)
 

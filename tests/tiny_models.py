@@ -169,3 +169,16 @@ def _write_tokenizer_metadata(writer: Any, hf_dir: Path) -> None:
     writer.add_eos_token_id(vocab[config["eos_token"]])
     writer.add_add_bos_token(bool(config.get("add_bos_token", False)))
     writer.add_chat_template(config["chat_template"])
+
+
+# token-id prompts for batching tests: shared prefixes of 2 and 3 blocks (block size 4), a 1-token prompt, repeats
+MIXED_PROMPTS = [
+    [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14, 8],
+    [5, 17, 3, 88, 41, 9, 60, 2, 33, 71, 14, 8, 100, 101, 102, 103, 104],  # shares 3 blocks with the first
+    [200, 201, 202],
+    [7] * 20,
+    [300, 12, 45, 67, 89, 10, 11],
+    [5, 17, 3, 88, 41, 9, 60, 2, 1, 1, 1, 1, 1],  # shares 2 blocks with the first
+    [42],
+    [250, 251, 252, 253, 254, 255, 256, 257, 258, 259, 260, 261, 262, 263, 264, 265, 266, 267, 268],
+]
