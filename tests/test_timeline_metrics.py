@@ -38,3 +38,13 @@ def test_single_token_has_no_tpot():
 def test_never_scheduled():
     m = request_metrics(RequestTimeline(arrival_time=1.0, finish_time=2.0))
     assert m.queue_time is None and m.ttft is None and m.e2e == pytest.approx(1.0)
+
+
+def test_tokens_of_one_step_count_once_in_itl():
+    """Speculative decoding: a step that yields 3 tokens gives one inter-token gap, not two zeros; TPOT still
+    spreads the decode time over every token."""
+    t = RequestTimeline(arrival_time=0.0, token_times=[1.0, 1.5, 1.5, 1.5, 2.25])
+    t.finish_time = 2.25
+    m = request_metrics(t)
+    assert m.itl == pytest.approx([0.5, 0.75])
+    assert m.tpot == pytest.approx(1.25 / 4)

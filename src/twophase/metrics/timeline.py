@@ -17,7 +17,9 @@ class RequestMetrics:
     ttft: float | None  # arrival → first token
     tpot: float | None  # (e2e − ttft) / (n − 1), n > 1
     e2e: float | None  # arrival → last token (or finish)
-    itl: list[float] = field(default_factory=list)  # gaps between consecutive tokens
+    # gaps between consecutive token arrivals: the tokens one step produces (speculative decoding) arrive together
+    # and count once, as vLLM's per-iteration ITL does
+    itl: list[float] = field(default_factory=list)
     runnable_waiting_time: float | None = None  # admitted but not in a step (interference, preemption)
     num_output_tokens: int = 0
     num_preemptions: int = 0
@@ -46,7 +48,7 @@ def request_metrics(timeline: RequestTimeline) -> RequestMetrics:
         ttft=ttft,
         tpot=tpot,
         e2e=e2e,
-        itl=[b - a for a, b in zip(tokens, tokens[1:])],
+        itl=_arrival_gaps(tokens),
         runnable_waiting_time=_runnable_waiting(timeline, last),
         num_output_tokens=len(tokens),
         num_preemptions=timeline.num_preemptions,
@@ -55,6 +57,12 @@ def request_metrics(timeline: RequestTimeline) -> RequestMetrics:
         remote_prefill_time=timeline.remote_prefill_time,
         kv_transfer_time=transfer,
     )
+
+
+def _arrival_gaps(token_times: list[float]) -> list[float]:
+    """Gaps between the distinct times tokens arrived (several tokens of one step share a time)."""
+    arrivals = [t for i, t in enumerate(token_times) if i == 0 or t != token_times[i - 1]]
+    return [b - a for a, b in zip(arrivals, arrivals[1:])]
 
 
 def _runnable_waiting(timeline: RequestTimeline, end: float | None) -> float | None:
