@@ -48,3 +48,13 @@ def default_model() -> Path:
     if path is None:
         missing("default model not present: run `twophase pull smollm2-135m-instruct`")
     return path
+
+
+@pytest.fixture(scope="session")
+def default_server(default_model):
+    """One `twophase serve` of the default model (max-model-len 512) shared by the modules that query it."""
+    from server_harness import ServerProcess
+
+    proc = ServerProcess(default_model, "--max-model-len", "512")
+    yield proc
+    assert proc.stop() == 0, proc.logs()

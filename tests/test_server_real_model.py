@@ -7,20 +7,13 @@ import asyncio
 import openai
 import pytest
 
-from server_harness import MODEL_NAME, ServerProcess
+from server_harness import MODEL_NAME
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-@pytest.fixture(scope="module")
-def server(default_model):
-    proc = ServerProcess(default_model, "--max-model-len", "512")
-    yield proc
-    assert proc.stop() == 0, proc.logs()
-
-
-def test_chat_answer_and_stream_parity(server):
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+def test_chat_answer_and_stream_parity(default_server):
+    client = openai.OpenAI(base_url=f"{default_server.base_url}/v1", api_key="unused", max_retries=0)
     full = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=16, temperature=0)
     assert "Paris" in full.choices[0].message.content
     stream = client.chat.completions.create(model=MODEL_NAME, messages=QUESTION, max_tokens=16, temperature=0,
@@ -30,15 +23,15 @@ def test_chat_answer_and_stream_parity(server):
     assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
 
 
-def test_concurrent_streams_equal_alone(server):
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+def test_concurrent_streams_equal_alone(default_server):
+    client = openai.OpenAI(base_url=f"{default_server.base_url}/v1", api_key="unused", max_retries=0)
     questions = [f"Name {i + 2} colours of the rainbow." for i in range(8)]
     alone = [client.chat.completions.create(model=MODEL_NAME, messages=[{"role": "user", "content": q}],
                                             max_tokens=8, temperature=0).choices[0].message.content
              for q in questions]
 
     async def run_all() -> list[str]:
-        aclient = openai.AsyncOpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+        aclient = openai.AsyncOpenAI(base_url=f"{default_server.base_url}/v1", api_key="unused", max_retries=0)
 
         async def one(q: str) -> str:
             stream = await aclient.chat.completions.create(

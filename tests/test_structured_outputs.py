@@ -289,13 +289,6 @@ def test_streaming_parser_reassembles_to_the_whole_parse(text):
 # ---- the default model (SmolLM2-135M-Instruct) ----------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def default_server(default_model):
-    proc = ServerProcess(default_model, "--max-model-len", "512")
-    yield proc
-    assert proc.stop() == 0, proc.logs()
-
-
 def test_default_model_json_object_and_no_tools(default_server):
     client = openai.OpenAI(base_url=f"{default_server.base_url}/v1", api_key="unused", max_retries=0)
     messages = [{"role": "user", "content": "Give a JSON object with the name and age of a person."}]

@@ -19,6 +19,7 @@ from twophase.engine.async_engine import AsyncLLM
 from twophase.outputs import RequestOutput
 from twophase.request import Request
 from twophase.sampling_params import InvalidRequestError, SamplingParams
+from twophase.server.disconnect import until_disconnect
 from twophase.server.errors import APIError
 from twophase.server.protocol import _SamplingFields
 from twophase.server.settings import ServerSettings
@@ -150,19 +151,11 @@ async def collect_finals(http_request: HTTPRequest, stream: AsyncIterator[tuple[
                 finals[index] = output
         return finals
 
-    task = asyncio.create_task(drain())
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await http_request.is_disconnected():
-                return None
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await stream.aclose()
+    finals = await until_disconnect(http_request, drain(), poll_s)
+    if finals is None:
+        await stream.aclose()
+    return finals
+
 
 
 def prompt_list(prompt: object, max_prompts: int) -> list[str | list[int]]:

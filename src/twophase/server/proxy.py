@@ -28,6 +28,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from twophase.server.disconnect import until_disconnect
 
 logger = logging.getLogger("twophase.proxy")
 COMPLETION_ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -99,22 +100,6 @@ def _passthrough(resp: httpx.Response) -> Response:
     return Response(resp.content, status_code=resp.status_code, headers=headers)
 
 
-async def _until_disconnect(raw: Request, coro, poll_s: float = 0.1):
-    """Await ``coro``; cancel it (closing its upstream connection) if the client goes away. None then."""
-    task = asyncio.ensure_future(coro)
-    try:
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=poll_s)
-            if done:
-                return task.result()
-            if await raw.is_disconnected():
-                return None
-    finally:
-        if not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-
-
 class Proxy:
     """The proxy's request handling over a BackendPool and one shared HTTP client."""
 
@@ -138,7 +123,7 @@ class Proxy:
         if prefill is None or decode is None:
             return _no_server("prefill" if prefill is None else "decode")
         started = time.monotonic()
-        leg = await _until_disconnect(raw, self._prefill(prefill, route, body, headers))
+        leg = await until_disconnect(raw, self._prefill(prefill, route, body, headers))
         if leg is None:
             return Response(status_code=499)
         if isinstance(leg, Response):
@@ -190,7 +175,7 @@ class Proxy:
 
         try:
             request = self.client.build_request("POST", f"{backend.url}{route}", json=body, headers=headers)
-            resp = await _until_disconnect(raw, self.client.send(request, stream=True))
+            resp = await until_disconnect(raw, self.client.send(request, stream=True))
             if resp is None:
                 end()
                 return Response(status_code=499)
@@ -199,7 +184,7 @@ class Proxy:
             return _upstream_error(backend, exc)
         if resp.status_code != 200 or not body.get("stream"):
             try:
-                content = await _until_disconnect(raw, resp.aread())
+                content = await until_disconnect(raw, resp.aread())
             except httpx.HTTPError as exc:
                 return _upstream_error(backend, exc)
             finally:
