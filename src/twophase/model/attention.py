@@ -1,9 +1,9 @@
 """Paged attention over a flat batch of tokens from many requests.
 
 The backend interface is small: ``prepare(meta)`` once per step (backend-specific index tensors, built once and
-read by every layer), then ``forward(q, k, v, k_cache, v_cache, meta) -> out`` per layer. A backend must write the
-new K/V into the cache through ``meta.slot_mapping`` before reading, and let each token attend only to its own
-request's positions ≤ its own.
+read by every layer), then ``attend(q, k_cache, v_cache, meta) -> out`` per layer, after the model has written this
+step's K/V through ``meta.slot_mapping`` (``write_kv``, or fused with the rotary embedding in ``LayerOps``). Each
+token attends only to its own request's positions ≤ its own.
 
 - ``TorchPagedAttention``: the plain-torch reference (any device, any dtype, float64 included): gathers each
   request's context and calls SDPA. Every faster backend is tested against it.
@@ -57,18 +57,6 @@ class AttentionBackend(Protocol):
         """Add backend-specific per-step tensors to ``meta`` (once per step, before the layers run)."""
         ...
 
-    def forward(
-        self,
-        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
-        k: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        v: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,  # [num_slots, num_kv_heads, head_dim]
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Write this step's K/V through ``meta.slot_mapping``, then ``attend``."""
-        ...
-
     def attend(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
@@ -120,11 +108,6 @@ class TorchPagedAttention:
             meta.decode_token_indices = torch.tensor([starts[r] for r in decode_rows]).to(device)
             meta.decode_context_slots = slots.to(device)
             meta.decode_mask = visible[:, None, None, :].to(device)  # [num_decode, 1, 1, max_len]
-
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """Write new K/V through the slot mapping, then attend: decode rows together, prefill chunks each."""
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k_cache, v_cache, meta)
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """Attention over K/V already in the cache (math in q's dtype: float64 q makes an oracle)."""
@@ -201,11 +184,6 @@ class KernelPagedAttention:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Nothing beyond the common metadata."""
-
-    def forward(self, q, k, v, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
-        """Write new K/V through the slot mapping, then one kernel call for all rows."""
-        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
-        return self.attend(q, k_cache, v_cache, meta)
 
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D] over the cache (this step's K/V already written) → [T, H, D]."""

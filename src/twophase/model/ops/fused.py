@@ -11,6 +11,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from twophase.model.attention import write_kv
 from twophase.model.layers import apply_rotary, rms_norm_reference
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
@@ -78,5 +79,4 @@ class LayerOps:
         qk.copy_(apply_rotary(qk, rope.cos, rope.sin))
         k = qk[:, heads:]  # [T, KVH, D]
         v = qkv[:, qk_size:].view(-1, kv_heads, head_dim)  # [T, KVH, D]
-        k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+        write_kv(k, v, k_cache, v_cache, slots)

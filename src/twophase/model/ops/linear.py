@@ -67,7 +67,6 @@ class QuantizedLinear(nn.Module):
     ) -> None:
         super().__init__()
         self.fmt = fmt
-        self.kernels = kernels
         # tuple of tensors, format-specific (the kernel's argument order): as stored in the file, or quantized here
         self.packed = packed if packed is not None else quantize(weight, fmt)
         self.bias32 = None if bias is None else bias.float()
