@@ -62,8 +62,8 @@ def linear_variants(kern, weights: list[torch.Tensor], ms: list[int]) -> dict[st
         q8 = [(w / s[:, None]).round().to(torch.int8) for w, s in zip(weights, scales)]
         v["ours int8"] = (list(zip(q8, scales)), lambda x, q, s: kern.linear_int8(x, q, s))
         v["torch _weight_int8pack_mm"] = (list(zip(q8, scales)), lambda x, q, s: torch._weight_int8pack_mm(x, q, s))
-        v["ours q8_0"] = ([quantize_q8_0(w) for w in weights], lambda x, q, d: kern.linear_q8_0(x, q, d))
-        v["ours q4_1"] = ([quantize_q4_1(w) for w in weights], lambda x, q, d, m: kern.linear_q4_1(x, q, d, m))
+        v["ours q8_0 (x int8)"] = ([quantize_q8_0(w) for w in weights], lambda x, q, d: kern.linear_q8_0(x, q, d))
+        v["ours q4_1 (x int8)"] = ([quantize_q4_1(w) for w in weights], lambda x, q, d, m: kern.linear_q4_1(x, q, d, m))
     return v
 
 
@@ -157,6 +157,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="3 layers instead of 30, fewer repetitions")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
+    ap.add_argument("--rows", default="1,8,32", help="batch rows (M) of the linear table, comma-separated")
+    ap.add_argument("--linear-only", action="store_true", help="only the bandwidth and linear tables")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -165,8 +167,8 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, kernels: {kern is not None}")
     bw = read_bandwidth(args.reps + 2)
     print(f"read bandwidth (512 MiB sum): {bw:.1f} GB/s")
-    bench_linear(kern, layers, [1, 8, 32], bw, args.reps)
-    if kern is not None:
+    bench_linear(kern, layers, [int(m) for m in args.rows.split(",")], bw, args.reps)
+    if kern is not None and not args.linear_only:
         crossover(kern, args.reps)
         bench_attention(kern, bw, args.reps)
 

@@ -23,7 +23,7 @@ def measure(model: str, tp: int, batch: int, tokens: int, dtype: str, threads: i
         llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))  # warm-up
         records_before = len(llm.engine.step_records)
         stats = llm.engine.tp.stats if llm.engine.tp else None
-        reduces_before = (stats.num_all_reduces, stats.all_reduce_seconds) if stats else (0, 0.0)
+        before = stats.snapshot() if stats else None
         llm.generate(prompts, params)
         steps = list(llm.engine.step_records)[records_before:]
         decode = [s for s in steps if s.num_prompt_tokens == 0]
@@ -32,9 +32,7 @@ def measure(model: str, tp: int, batch: int, tokens: int, dtype: str, threads: i
         result = {"tp": tp, "decode_steps": len(decode), "decode_tok_s": decode_tokens / decode_time,
                   "step_ms": 1000 * decode_time / len(decode)}  # fmt: skip
         if stats:
-            num = stats.num_all_reduces - reduces_before[0]
-            secs = stats.all_reduce_seconds - reduces_before[1]
-            result |= {"all_reduces_per_step": num / len(steps), "all_reduce_ms_per_step": 1000 * secs / len(steps)}
+            result |= stats.per_step(before, len(steps))
         return result
     finally:
         llm.engine.close()

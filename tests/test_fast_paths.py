@@ -61,10 +61,12 @@ def test_quantized_kernels_match_their_dequantised_weights(tiny_qwen2_dir, quant
 
 
 def test_quantized_weights_change_the_logits_only_a_little(tiny_llama_dir):
-    """8-bit formats move logits by a few % of their range, 4-bit (16 levels, random weights) by more."""
+    """8-bit formats move logits by a few % of their range, 4-bit (16 levels, random weights) by more. The GGUF
+    block formats also round activations to int8 blocks (as llama.cpp does): two 8-bit roundings per product instead
+    of one, so q8_0 gets twice int8's bound."""
     dense = torch.cat(packed_logits(make_llm(tiny_llama_dir, dtype="float32"), PROMPTS))  # [tokens, vocab]
     scale = float(dense.abs().max())
-    for quantization, limit in (("int8", 0.05), ("q8_0", 0.05), ("q4_1", 0.6)):
+    for quantization, limit in (("int8", 0.05), ("q8_0", 0.1), ("q4_1", 0.6)):
         llm = make_llm(tiny_llama_dir, dtype="float32", quantization=quantization)
         error = float((torch.cat(packed_logits(llm, PROMPTS)) - dense).abs().max()) / scale
         assert 0 < error <= limit, f"{quantization}: max error {error:.4f} of the logit range"
@@ -97,9 +99,11 @@ def teacher_forced_top1(llm: LLM, reference: LLM, prompts: list[list[int]]) -> f
 
 
 @pytest.mark.parametrize("dtype,quantization,floor", [("bfloat16", "none", 0.97), ("float32", "int8", 0.95),
-                                                      ("float32", "q8_0", 0.97), ("float32", "gguf", 0.99)])  # fmt: skip
+                                                      ("float32", "q8_0", 0.95), ("float32", "gguf", 0.95)])  # fmt: skip
 def test_real_model_agreement_with_float32(default_model, dtype, quantization, floor):
-    """Teacher-forced top-1 agreement with float32 on real text (the chat prompts plus their greedy answers)."""
+    """Teacher-forced top-1 agreement with float32 on real text (the chat prompts plus their greedy answers).
+    q8_0 and gguf (SmolLM2's Q4_1 as stored, against the float32 of the same weights) round activations to int8
+    blocks as llama.cpp does: measured 0.960 and 0.957 (0.99+ with float32 activations, the cost of 2x speed)."""
     from test_parity_hf import CHAT_PROMPTS
 
     reference = LLM(str(default_model), dtype="float32", progress=False)

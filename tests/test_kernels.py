@@ -11,6 +11,7 @@ from twophase.model.ops import extension
 from twophase.model.ops.quant import (
     dequantize_q4_1,
     dequantize_q8_0,
+    fake_quantize_activations,
     from_gguf_q4_1,
     from_gguf_q8_0,
     pack_nibbles,
@@ -63,35 +64,24 @@ def test_linear_int8(m: int, with_bias: bool) -> None:
         assert_dot_close(K.linear_int8(x, wq, s, b), ref, absprod)
 
 
-@pytest.mark.parametrize("m", [1, 3, 17, 64])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_q8_0(m: int, with_bias: bool) -> None:
-    g = torch.Generator().manual_seed(200 + m)
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 17, 64])
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_block_format_kernels(m: int, fmt: str) -> None:
+    """The block-format kernels round x to int8 blocks exactly as quant.quantize_activations does (one element
+    rounded differently would move the result by ~max|x|/127 · |w|, far above the bound), then dot in integers;
+    the oracle is float64 on the dequantised weights and activations."""
+    g = torch.Generator().manual_seed(400 + m)
     for n, k in [(131, 576), (7, 32), (64, 1536)]:
-        x = torch.randn(m, k, generator=g)
-        qs, d = quantize_q8_0(torch.randn(n, k, generator=g))
-        b = torch.randn(n, generator=g) if with_bias else None
-        w = dequantize_q8_0(qs, d).double()  # d (fp16-rounded) * int8 is exact in fp32
-        ref = x.double() @ w.T + (b.double() if with_bias else 0)
-        assert_dot_close(K.linear_q8_0(x, qs, d, b), ref, x.double().abs() @ w.abs().T)
-
-
-@pytest.mark.parametrize("m", [1, 3, 17, 64])
-@pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_q4_1(m: int, with_bias: bool) -> None:
-    g = torch.Generator().manual_seed(300 + m)
-    for n, k in [(131, 576), (7, 32), (64, 1536)]:
-        x = torch.randn(m, k, generator=g)
-        qs, d, mn = quantize_q4_1(torch.randn(n, k, generator=g))
-        b = torch.randn(n, generator=g) if with_bias else None
-        # Oracle in float64 from the exact parts; the kernel computes d*sum(x*q) + m*sum(x) per block.
-        q = dequantize_q4_1(qs, torch.ones_like(d), torch.zeros_like(mn)).double()
-        nb = k // 32
-        dq = (q.view(n, nb, 32) * d.double()[..., None]).view(n, k)
-        mm = mn.double().repeat_interleave(32, dim=1)
-        ref = x.double() @ (dq + mm).T + (b.double() if with_bias else 0)
-        absprod = x.double().abs() @ (dq.abs() + mm.abs()).T
-        assert_dot_close(K.linear_q4_1(x, qs, d, mn, b), ref, absprod)
+        x = torch.randn(m, k, generator=g) * torch.rand(m, 1, generator=g) * 4
+        x[0, :32] = 0.0  # an all-zero block: scale 0
+        w = torch.randn(n, k, generator=g)
+        b = torch.randn(n, generator=g)
+        packed = quantize_q8_0(w) if fmt == "q8_0" else quantize_q4_1(w)
+        wd = (dequantize_q8_0(*packed) if fmt == "q8_0" else dequantize_q4_1(*packed)).double()
+        xd = fake_quantize_activations(x).double()
+        ref = xd @ wd.T + b.double()
+        y = getattr(K, "linear_" + fmt)(x, *packed, b)
+        assert_dot_close(y, ref, xd.abs() @ wd.abs().T)
 
 
 def test_q8_0_round_trip_exact() -> None:

@@ -5,13 +5,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
+import weakref
 
 import pytest
+import torch
 
 from twophase.config import CacheConfig, EngineConfig, KVTransferConfig, SchedulerConfig
 from twophase.kv_cache.block_manager import BlockManager
+from twophase.kv_transfer.payload import PayloadCodec
 from twophase.kv_transfer.scheduler_connector import SchedulerConnector
-from twophase.kv_transfer.spec import RemoteHandle, token_digest
+from twophase.kv_transfer.spec import KVTransferError, RemoteHandle, token_digest
 from twophase.request import Request, RequestStatus
 from twophase.sampling_params import SamplingParams
 
@@ -114,22 +118,25 @@ def test_start_load_blocked_when_the_pool_is_short():
 # ---- engines in this process, real TCP transport ----------------------------------------------------------
 
 
-def _engine_config(model_dir, role: str, **cache) -> EngineConfig:
+def _engine_config(model_dir, role: str, transport: str = "auto", **cache) -> EngineConfig:
     return EngineConfig(
         model=str(model_dir), dtype="float32", linear_backend="torch", attention_backend="torch", num_threads=1,
         cache=CacheConfig(block_size=cache.get("block_size", 16), num_blocks=256),
         scheduler=SchedulerConfig(max_num_batched_tokens=32, max_model_len=1024),
-        kv_transfer=KVTransferConfig(role=role, lease_timeout_s=30.0, transfer_timeout_s=5.0),
+        kv_transfer=KVTransferConfig(role=role, lease_timeout_s=30.0, transfer_timeout_s=5.0, transport=transport),
     )
 
 
-def _start_engines(model_dir, names_roles) -> dict:
+def _start_engines(model_dir, names_roles, prepare=None) -> dict:
+    """AsyncLLMs by name; ``prepare(name, connector)`` may adjust a connector before it starts serving."""
     from twophase.engine.async_engine import AsyncLLM
     from twophase.engine.llm_engine import LLMEngine
 
     llms = {}
     for name, role, cache in names_roles:
         llm = AsyncLLM(LLMEngine(_engine_config(model_dir, role, **cache), progress=False))
+        if llm.engine.kv_connector is not None and prepare is not None:
+            prepare(name, llm.engine.kv_connector)
         if llm.engine.kv_connector is not None:
             llm.engine.kv_connector.attach(llm.call_in_loop)
         llm.start()
@@ -148,11 +155,15 @@ TRIO = (("colocated", "both", {}), ("prefill", "prefill", {}), ("decode", "decod
 
 
 @pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+def server_model(tmp_path_factory):
     from server_harness import write_server_model
 
-    llms = _start_engines(write_server_model(tmp_path_factory.mktemp("kvx-model")),
-                          (*TRIO, ("decode32", "decode", {"block_size": 32})))
+    return write_server_model(tmp_path_factory.mktemp("kvx-model"))
+
+
+@pytest.fixture(scope="module")
+def engines(server_model):
+    llms = _start_engines(server_model, (*TRIO, ("decode32", "decode", {"block_size": 32})))
     yield llms
     _stop_engines(llms)
 
@@ -188,6 +199,14 @@ def _invariants(llm) -> None:
     asyncio.run(check())
 
 
+def _wait_no_leases(llm, timeout: float = 5.0) -> None:
+    """A decode side's release / read_done reaches the prefill side asynchronously."""
+    deadline = time.monotonic() + timeout
+    while llm.engine.kv_connector.scheduler_side.leases and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not llm.engine.kv_connector.scheduler_side.leases
+
+
 def _check_parity(engines, length: int, max_token_id: int) -> None:
     prompt = [3 + (i * 53 + length * 7) % (max_token_id - 3) for i in range(length)]
     params = SamplingParams(temperature=0, max_tokens=6, logprobs=2, ignore_eos=True)
@@ -197,6 +216,7 @@ def _check_parity(engines, length: int, max_token_id: int) -> None:
     for a, b in zip(reference.logprobs, got.logprobs, strict=True):
         assert abs(a.logprob - b.logprob) <= 1e-5 and [t for t, _ in a.top] == [t for t, _ in b.top]
     assert (got.timeline.kv_transfer_bytes > 0) == (length > 16)
+    _wait_no_leases(engines["prefill"])
     for name in ("prefill", "decode"):
         _invariants(engines[name])
         assert not engines[name].engine.kv_connector.scheduler_side.leases
@@ -244,3 +264,130 @@ def test_gantt_segments_show_remote_prefill_and_transfer():
     rounded = {k: [(round(a, 6), round(b, 6)) for a, b in v] for k, v in segs.items()}
     assert rounded == {"remote_prefill": [(0.5, 0.5)], "queue": [(1.0, 0.1)], "transfer": [(1.1, 0.2)],
                        "waiting": [(1.3, 0.1)], "prefill": [(1.4, 0.1)], "decode": [(1.5, 0.1)]}
+
+
+# ---- the cuda-ipc flow on CPU: a stand-in codec shares tensors inside this process --------------------------
+
+SHARED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # "IPC handle" → the prefill side's tensor
+
+
+class InProcessIpcCodec(PayloadCodec):
+    """CudaIpcCodec's stand-in on CPU: the handle names the prefill side's staging tensor and the reader gets
+    that very tensor, as CUDA IPC maps the producer's memory. Only weak references here: a reader that comes
+    after the prefill side dropped the staging tensor finds nothing."""
+
+    holds_source = True
+
+    def __init__(self) -> None:
+        self.fail_next = False
+
+    def encode(self, values: torch.Tensor) -> tuple[dict, bytes]:
+        SHARED[str(id(values))] = values
+        return {"nbytes": values.numel() * values.element_size(), "ipc": {"key": str(id(values))}}, b""
+
+    def decode(self, header: dict, frame: bytes, shape, dtype: torch.dtype) -> torch.Tensor:
+        values = SHARED.get(header["ipc"]["key"])
+        if self.fail_next or values is None:
+            self.fail_next = False
+            raise KVTransferError("could not open the CUDA IPC handle: stand-in failure", "ipc")
+        assert tuple(values.shape) == tuple(shape) and values.dtype == dtype and frame == b""
+        return values
+
+
+def _recording(handle, messages: list):
+    def wrapped(header: dict):
+        reply, frame = handle(header)
+        messages.append((header["kind"], reply))
+        return reply, frame
+    return wrapped
+
+
+@pytest.fixture(scope="module")
+def ipc_engines(engines, server_model):
+    """prefill and decode engines (CPU) that take their caches for CUDA on one host and share payloads with
+    InProcessIpcCodec; "strict" is a decode engine set to --kv-transport cuda-ipc. The prefill side records
+    every message it answers in ``messages``."""
+    messages: list = []
+
+    def prepare(name: str, connector) -> None:
+        connector.placement = dataclasses.replace(connector.placement, device="cuda", gpu="gpu-0",
+                                                  visible_gpus=("gpu-0",))
+        connector.codecs["cuda-ipc"] = InProcessIpcCodec()
+        if name == "strict":
+            connector.config = dataclasses.replace(connector.config, transport="cuda-ipc")
+        if name == "prefill":
+            connector._handle = _recording(connector._handle, messages)
+
+    own = _start_engines(server_model, (("prefill", "prefill", {}), ("decode", "decode", {}),
+                                        ("strict", "decode", {})), prepare)
+    yield {**own, "colocated": engines["colocated"], "cpu_prefill": engines["prefill"], "messages": messages}
+    _stop_engines(own)
+
+
+def _clean(*llms) -> None:
+    for llm in llms:
+        _invariants(llm)
+        assert llm.engine.scheduler.block_manager.num_blocks_in_use == 0
+
+
+def test_cuda_ipc_flow_holds_the_staging_until_read_done(ipc_engines):
+    messages = ipc_engines["messages"]
+    messages.clear()
+    _check_parity(ipc_engines, 40, 390)  # auto on both sides, both "on CUDA on one host": cuda-ipc
+    deadline = time.monotonic() + 5
+    while len(messages) < 3 and time.monotonic() < deadline:  # the read_done answer is recorded after it frees
+        time.sleep(0.02)
+    assert [kind for kind, _ in messages] == ["hello", "read", "read_done"]
+    hello, read, done = (reply for _, reply in messages)
+    assert hello["via"] == read["via"] == "cuda-ipc" and "ipc" in read and read["nbytes"] > 0
+    assert done == {"ok": True, "released": True}  # the lease, and its staging tensor, lasted until read_done
+    for name in ("prefill", "decode"):
+        counters = ipc_engines[name].engine.kv_connector.scheduler_side.counters
+        assert counters.by_transport == {"cuda-ipc": 1} and counters.num_bytes == read["nbytes"]
+    assert not SHARED  # nobody holds the staging tensor any more
+
+
+def test_cuda_ipc_open_failure_fails_the_request_and_frees_the_lease(ipc_engines):
+    ipc_engines["decode"].engine.kv_connector.codecs["cuda-ipc"].fail_next = True
+    prompt = [3 + (i * 31) % 380 for i in range(50)]
+    got = asyncio.run(_disaggregated(ipc_engines, prompt, SamplingParams(temperature=0, max_tokens=3), "ipcfail"))
+    assert got.finished and "could not open the CUDA IPC handle" in got.error
+    assert ipc_engines["decode"].engine.kv_connector.scheduler_side.counters.failures == {"ipc": 1}
+    _wait_no_leases(ipc_engines["prefill"])
+    _clean(ipc_engines["prefill"], ipc_engines["decode"])
+
+
+def test_cuda_ipc_refused_at_handshake_when_the_prefill_side_is_on_cpu(ipc_engines):
+    pair = {"prefill": ipc_engines["cpu_prefill"], "strict": ipc_engines["strict"]}
+    prompt = [3 + (i * 29) % 380 for i in range(50)]
+    got = asyncio.run(_disaggregated(pair, prompt, SamplingParams(temperature=0, max_tokens=3), "strict",
+                                     decode="strict"))
+    assert got.finished and got.error.startswith("KV handshake refused: --kv-transport cuda-ipc needs both KV "
+                                                 "caches on CUDA on one host")
+    assert "the prefill worker's KV cache is on cpu, not CUDA" in got.error
+    assert ipc_engines["strict"].engine.kv_connector.scheduler_side.counters.failures == {"handshake": 1}
+    _wait_no_leases(pair["prefill"])
+    _clean(pair["prefill"], pair["strict"])
+
+
+def test_prefill_side_refuses_cuda_ipc_off_host_or_off_cuda(ipc_engines):
+    gpu = ipc_engines["prefill"].engine.kv_connector
+    elsewhere = dataclasses.replace(gpu.placement, hostname=gpu.placement.hostname + "-other").to_json()
+    hello = {"kind": "hello", "spec": gpu.spec.to_json(), "transport": "cuda-ipc", "placement": elsewhere}
+    reply, _ = gpu._handle(hello)
+    assert not reply["ok"] and reply["cause"] == "handshake" and "are not on one host (host names" in reply["error"]
+    reply, _ = gpu._handle({**hello, "transport": "auto"})
+    assert reply["ok"] and reply["via"] == "tcp"  # auto falls back to tcp across hosts
+    cpu = ipc_engines["cpu_prefill"].engine.kv_connector
+    read = {"kind": "read", "request_id": "none", "first_block": 0, "num_blocks": 1, "digest": "0",
+            "spec": cpu.spec.to_json(), "via": "cuda-ipc", "transport": "cuda-ipc",
+            "placement": gpu.placement.to_json()}
+    reply, frame = cpu._handle(read)
+    assert not reply["ok"] and "the prefill worker's KV cache is on cpu, not CUDA" in reply["error"] and frame == b""
+
+
+def test_cuda_ipc_setting_refused_at_start_up_on_cpu(server_model):
+    from twophase.engine.llm_engine import LLMEngine
+
+    with pytest.raises(ValueError, match="--kv-transport cuda-ipc needs the KV cache on CUDA"):
+        LLMEngine(_engine_config(server_model, "decode", transport="cuda-ipc"), progress=False)

@@ -6,6 +6,7 @@ C++ linear / attention kernels in float32, Q8_0 weights), two hosts on loopback,
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -142,6 +143,44 @@ def test_fast_paths_float32_tokens_equal_tp1(tiny_llama_dir, quantization):
         assert "plain torch" not in engine.model_runner.describe() or "plain torch" in reference.model_runner.describe()
     finally:
         engine.close()
+
+
+# ---- bench phases --tp ----------------------------------------------------------------------------
+def _bench_phases(tmp_path, model, *options: str) -> dict:
+    from twophase.cli import main
+
+    out = tmp_path / "phases.json"
+    argv = ["bench", "phases", "--model", str(model), "--dtype", "float32", "-p", "8", "-n", "4", "-b", "2",
+            "-r", "2", "--threads", "1", "--output-json", str(out), *options]  # fmt: skip
+    assert main(argv) == 0
+    return json.loads(out.read_text())
+
+
+def _phase_rows(result: dict) -> list[dict]:
+    return result["results"] + [b[k] for b in result["batched"] for k in ("prefill", "decode")]
+
+
+def test_bench_phases_on_two_ranks(tiny_llama_dir, tmp_path, capsys):
+    single = _bench_phases(tmp_path, tiny_llama_dir)
+    sharded = _bench_phases(tmp_path, tiny_llama_dir, "--tp", "2")
+    assert "tensor parallel: 2 ranks (gloo, threads per rank: 1)" in capsys.readouterr().out
+    assert (single["tensor_parallel_size"], sharded["tensor_parallel_size"]) == (1, 2)
+    assert [r["name"] for r in _phase_rows(sharded)] == ["pp8", "tg4", "pp8 b2", "tg4 b2"]
+    for one, two in zip(_phase_rows(single), _phase_rows(sharded), strict=True):
+        assert (one["name"], one["flops"], one["bytes"]) == (two["name"], two["flops"], two["bytes"])
+        assert one["all_reduces_per_step"] is None and len(two["seconds"]) == 2 and two["tokens_per_s_mean"] > 0
+        assert two["all_reduces_per_step"] == 2 * 2 + 1  # o_proj and down_proj in each of 2 layers, the embedding
+        step_ms = 1000 * two["seconds_mean"] / (1 if two["kind"] == "prefill" else two["tokens_per_seq"])
+        assert 0 < two["all_reduce_ms_per_step"] < step_ms
+
+
+def test_bench_phases_refuses_an_unsplittable_size(tiny_llama_dir, tmp_path, capsys):
+    from twophase.cli import main
+
+    assert main(["bench", "phases", "--model", str(tiny_llama_dir), "-p", "8", "-n", "2", "-b", "1", "--tp", "3"]) == 2
+    assert "--tensor-parallel-size 3 does not fit this model" in capsys.readouterr().err
+    assert main(["bench", "phases", "--config", "tiny", "-p", "8", "-n", "2", "-b", "1", "--tp", "2"]) == 2
+    assert "needs --model" in capsys.readouterr().err
 
 
 # ---- hosts and failures ----------------------------------------------------------------------------

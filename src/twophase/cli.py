@@ -26,8 +26,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--quantization", "-q", default="none", choices=["none", "int8", "q8_0", "q4_1", "gguf"],
-        help="weight-only quantized execution, activations float32: int8 per channel, GGUF Q8_0 / Q4_1 blocks "
-        "(taken as stored from a GGUF file, else quantized at load), or gguf: each weight as the GGUF file stores it",
+        help="quantized weights: int8 per channel (activations float32), GGUF Q8_0 / Q4_1 blocks (taken as stored "
+        "from a GGUF file, else quantized at load; activations rounded to int8 blocks as llama.cpp does), or gguf: "
+        "each weight as the GGUF file stores it",
     )  # fmt: skip
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "kernel"])
     parser.add_argument("--linear-backend", default="auto", choices=["auto", "torch"], help="torch: F.linear reference")
@@ -83,7 +84,7 @@ def parse_bytes(text: str) -> int:
 
 def engine_config_from_args(args: argparse.Namespace):
     """EngineConfig from the shared engine options."""
-    from twophase.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+    from twophase.config import CacheConfig, EngineConfig, SchedulerConfig
     from twophase.server.cli import kv_transfer_config
     from twophase.spec_decode import SpeculativeConfig
     from twophase.steptime.cli import budget_fields
@@ -101,16 +102,22 @@ def engine_config_from_args(args: argparse.Namespace):
         max_waiting_requests=getattr(args, "max_waiting_requests", None),
         **budget_fields(args),
     )
-    parallel = ParallelConfig(
-        tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
-        master_addr=args.master_addr, master_port=args.master_port, timeout_s=args.tp_timeout,
-    )  # fmt: skip
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, cache=cache, scheduler=scheduler,
         quantization=args.quantization, attention_backend=args.attention_backend,
-        linear_backend=args.linear_backend, num_threads=args.threads, parallel=parallel,
+        linear_backend=args.linear_backend, num_threads=args.threads, parallel=parallel_config_from_args(args),
         kv_transfer=kv_transfer_config(args),
         speculative_config=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
+    )  # fmt: skip
+
+
+def parallel_config_from_args(args: argparse.Namespace):
+    """ParallelConfig from the tensor-parallel options (``add_parallel_arguments``)."""
+    from twophase.config import ParallelConfig
+
+    return ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size, nnodes=args.nnodes, node_rank=args.node_rank,
+        master_addr=args.master_addr, master_port=args.master_port, timeout_s=args.tp_timeout,
     )  # fmt: skip
 
 
@@ -252,10 +259,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_worker_host(args: argparse.Namespace) -> int | None:
     """On a host (or torchrun process) without rank 0, serve its tensor-parallel ranks instead of the command;
-    None on the engine's host."""
+    None on the engine's host. A command with its own options builds its config with ``args.engine_config``."""
     from twophase.distributed.launch import is_engine_process, run_worker_host
 
-    config = engine_config_from_args(args)
+    config = getattr(args, "engine_config", engine_config_from_args)(args)
     if is_engine_process(config.parallel):
         return None
     return run_worker_host(config)

@@ -145,6 +145,7 @@ class KVTransferConfig:
     advertise_host: str | None = None  # the address decode engines should dial (default: host)
     lease_timeout_s: float = 30.0  # a finished prefill's blocks are freed if nobody reads them by then
     transfer_timeout_s: float = 10.0  # bound on every exchange with a remote engine
+    transport: str = "auto"  # auto | tcp | cuda-ipc: how a read's payload travels (kv_transfer/placement.py)
 
     @property
     def advertised_host(self) -> str:

@@ -3,6 +3,10 @@
 Random token ids go straight into the model forward (plus the LM head of each sequence's last token): no
 tokenizer, scheduler or sampler in the timed region. Batches are built with the engine's own
 ``build_input_batch`` from hand-made SchedulerOutputs, outside the timed region.
+
+The runner is started the way the engine starts it (``start_model_runner``), so ``--tensor-parallel-size N``
+times N ranks: each forward then also holds the step broadcast to the other ranks, exactly as an engine step
+does, and rank 0's all-reduce count and time over the timed repetitions are reported per forward step.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from twophase.bench.roofline import StepCost, step_cost, synchronize
-from twophase.config import CacheConfig, ModelConfig
+from twophase.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from twophase.engine.input_batch import InputBatch, build_input_batch
 from twophase.engine.model_runner import ModelRunner
 from twophase.outputs import ScheduledRequest, SchedulerOutput
@@ -52,6 +56,8 @@ class PhaseResult:
     seconds: list[float]  # one per repetition
     flops: float
     bytes: float
+    all_reduces_per_step: float | None = None  # tensor parallelism: rank 0's, per forward step (None: tp = 1)
+    all_reduce_ms_per_step: float | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -82,21 +88,63 @@ class PhaseResult:
         }  # fmt: skip
 
 
+@dataclass
+class SyntheticSource:
+    """A model source of random weights for a synthetic config (what ``build_model_runner`` reads)."""
+
+    config: ModelConfig
+
+    def iter_weights(self, progress: bool | None = None):
+        """Random HF-named weights (seed 0)."""
+        from twophase.model.registry import random_weights
+
+        return random_weights(self.config, seed=0)
+
+    def native_quantized_weights(self) -> dict:
+        """None stored quantized."""
+        return {}
+
+
+def bench_engine_config(model: str, dtype: str, device: str, plan: PhasePlan, **fields) -> EngineConfig:
+    """The engine config a phase bench runs under: room for ``plan``'s longest shape, one block range per
+    sequence alive at once. ``fields``: further EngineConfig fields (``parallel``, ``num_threads``)."""
+    cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=math.ceil(plan.max_len / BLOCK_SIZE) * plan.max_seqs)
+    scheduler = SchedulerConfig(max_model_len=plan.max_len, max_num_seqs=plan.max_seqs)
+    return EngineConfig(model=model, dtype=dtype, device=device, cache=cache, scheduler=scheduler, **fields)
+
+
 class PhaseBench:
-    """Owns a ModelRunner and hands out disjoint block tables for synthetic sequences."""
+    """Owns rank 0's ModelRunner (and its tensor-parallel ranks) and hands out disjoint block tables for
+    synthetic sequences."""
 
-    def __init__(self, config: ModelConfig, weights, dtype: torch.dtype, device: torch.device,
-                 max_len: int, max_seqs: int) -> None:  # fmt: skip
-        self.config = config
-        self.device = device
-        self.max_len = max_len
+    def __init__(self, runner: ModelRunner, max_len: int) -> None:
+        """``runner``: built with ``bench_engine_config``'s cache (``max_len`` positions per sequence)."""
+        self.runner = runner
+        self.config = runner.model_config
+        self.device = runner.device
+        self.max_len = min(max_len, self.config.max_position_embeddings)
         self.blocks_per_seq = math.ceil(max_len / BLOCK_SIZE)
-        cache = CacheConfig(block_size=BLOCK_SIZE, num_blocks=self.blocks_per_seq * max_seqs)
-        self.runner = ModelRunner(config, weights, cache, max_len, dtype, device)
         self.generator = torch.Generator().manual_seed(0)
-        self.bytes_per_elem = torch.empty((), dtype=dtype).element_size()
+        self.bytes_per_elem = torch.empty((), dtype=runner.dtype).element_size()
 
-    def _batch(self, batch: int, query_len: int, start: int) -> InputBatch:
+    @classmethod
+    def start(cls, config: EngineConfig, source) -> PhaseBench:
+        """Start the runner of ``config`` on an opened ``source`` as the engine does (other ranks included)."""
+        from twophase.engine.llm_engine import start_model_runner
+
+        return cls(start_model_runner(config, source, progress=False), config.scheduler.max_model_len)
+
+    @property
+    def tp(self):
+        """The tensor-parallel group (None at size 1)."""
+        return self.runner.tp
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (no-op without them)."""
+        if self.tp is not None:
+            self.tp.close()
+
+    def _batch(self, batch: int, query_len: int, start: int) -> tuple[SchedulerOutput, InputBatch]:
         """``batch`` sequences of ``query_len`` random tokens at position ``start``, each sampling its last."""
         ids = torch.randint(0, self.config.vocab_size, (batch, query_len), generator=self.generator)  # [B, q]
         scheduled = [
@@ -107,48 +155,48 @@ class PhaseBench:
             )  # fmt: skip
             for i in range(batch)
         ]
-        return build_input_batch(SchedulerOutput(step_id=0, scheduled=scheduled), BLOCK_SIZE, self.device)
+        step = SchedulerOutput(step_id=0, scheduled=scheduled)
+        return step, build_input_batch(step, BLOCK_SIZE, self.device)
 
-    @torch.inference_mode()
-    def _forward(self, batch: InputBatch) -> torch.Tensor:
-        model = self.runner.model
-        hidden = model(batch.input_ids, batch.positions, self.runner.kv_caches, batch.meta)  # [T, hidden]
-        return model.compute_logits(hidden[batch.sample_token_indices])  # [B, vocab]
-
-    def _timed(self, batches: list[InputBatch]) -> float:
+    def _timed(self, steps: list[tuple[SchedulerOutput, InputBatch]]) -> float:
         synchronize(self.device)
         start = time.perf_counter()
-        for b in batches:
-            self._forward(b)
+        for step, batch in steps:
+            self.runner.sampled_logits(step, batch)  # [B, vocab]
         synchronize(self.device)
         return time.perf_counter() - start
 
-    def _repeat(self, make_batches, repetitions: int) -> list[float]:
-        batches = make_batches()
+    def _repeat(self, make_steps, repetitions: int) -> tuple[list[float], dict[str, float]]:
+        """Seconds of each timed repetition, and (tensor parallelism) their all-reduces per forward step."""
+        steps = make_steps()
         warm_up_s, runs = 0.0, 0
         while runs < 2 or (warm_up_s < WARM_UP_SECONDS and runs < 10):  # thread pools and caches settle first
-            warm_up_s += self._timed(batches)
+            warm_up_s += self._timed(steps)
             runs += 1
-        return [self._timed(batches) for _ in range(repetitions)]
+        before = self.tp.stats.snapshot() if self.tp else None
+        seconds = [self._timed(steps) for _ in range(repetitions)]
+        return seconds, self.tp.stats.per_step(before, repetitions * len(steps)) if self.tp else {}
 
     def prefill(self, prompt_len: int, depth: int, batch: int, repetitions: int, name: str) -> PhaseResult:
         """Time one step computing ``prompt_len`` tokens for each of ``batch`` sequences after ``depth``."""
         self._check_len(depth + prompt_len)
-        seconds = self._repeat(lambda: [self._batch(batch, prompt_len, depth)], repetitions)
+        seconds, collectives = self._repeat(lambda: [self._batch(batch, prompt_len, depth)], repetitions)
         cost = step_cost(self.config, prompt_len, depth, batch, self.bytes_per_elem)
-        return PhaseResult(name, "prefill", prompt_len, batch, depth, seconds, cost.flops, cost.bytes)
+        return PhaseResult(name, "prefill", prompt_len, batch, depth, seconds, cost.flops, cost.bytes, **collectives)
 
     def decode(self, steps: int, depth: int, batch: int, repetitions: int, name: str) -> PhaseResult:
         """Time ``steps`` decode steps of ``batch`` sequences starting with ``depth`` tokens of context."""
         self._check_len(depth + steps)
-        seconds = self._repeat(lambda: [self._batch(batch, 1, depth + i) for i in range(steps)], repetitions)
+        seconds, collectives = self._repeat(lambda: [self._batch(batch, 1, depth + i) for i in range(steps)],
+                                            repetitions)  # fmt: skip
         costs = [step_cost(self.config, 1, depth + i, batch, self.bytes_per_elem) for i in range(steps)]
         total = _sum_costs(costs)
-        return PhaseResult(name, "decode", steps, batch, depth, seconds, total.flops, total.bytes)
+        return PhaseResult(name, "decode", steps, batch, depth, seconds, total.flops, total.bytes, **collectives)
 
     def _check_len(self, length: int) -> None:
         if length > self.max_len:
-            raise ValueError(f"shape needs {length} positions but the bench was built for {self.max_len}")
+            raise ValueError(f"shape needs {length} positions but the bench was built for {self.max_len} "
+                             f"(the plan's longest shape, at most the model's {self.config.max_position_embeddings})")
 
 
 def _sum_costs(costs: list[StepCost]) -> StepCost:

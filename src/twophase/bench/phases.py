@@ -4,6 +4,7 @@ Usage::
 
     twophase bench phases --config tiny -p 16,32 -n 8 -b 1,2,4 -r 2 --measure-ceilings \\
         --output-json phases.json --roofline-png roofline.png
+    twophase bench phases --tp 3 -p 128 -n 16 -b 1 -r 1    # the default model on 3 ranks
 """
 
 from __future__ import annotations
@@ -14,8 +15,11 @@ from pathlib import Path
 
 import torch
 
-from twophase.bench.phase_timer import SYNTHETIC_CONFIGS, PhaseBench, PhasePlan, PhaseResult, run_plan
+from twophase.bench.phase_timer import (
+    SYNTHETIC_CONFIGS, PhaseBench, PhasePlan, PhaseResult, SyntheticSource, bench_engine_config, run_plan,
+)  # fmt: skip
 from twophase.bench.roofline import Ceilings, compute_bound_batch, dtype_name, measure_ceilings, plot_roofline
+from twophase.config import ConfigError, EngineConfig
 
 
 def _int_list(text: str) -> list[int]:
@@ -40,39 +44,64 @@ def register_phases(bench_subparsers) -> argparse.ArgumentParser:
     p.add_argument("--ceiling-dtypes", default=None, help="dtypes for the GEMM ceiling (default: the run's dtype)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--roofline-png", default=None)
-    p.set_defaults(func=cmd_phases)
+    p.add_argument("--threads", type=int, default=None, help="intra-op threads per rank (default: cores / ranks)")
+    from twophase.cli import add_parallel_arguments
+
+    add_parallel_arguments(p)
+    p.set_defaults(func=cmd_phases, engine_config=engine_config)
     return p
 
 
-def _load(args: argparse.Namespace, dtype: torch.dtype, device: torch.device, plan: PhasePlan) -> tuple[PhaseBench, str]:
-    if args.config:
-        from twophase.model.registry import random_weights
+def plan_from_args(args: argparse.Namespace) -> PhasePlan:
+    """What to measure (-p, -n, -b, -d, -r, --batched-pp)."""
+    return PhasePlan(args.n_prompt, args.n_gen, args.batch_size, args.n_depth, args.repetitions, args.batched_pp)
 
-        config = SYNTHETIC_CONFIGS[args.config]
-        return PhaseBench(config, random_weights(config, seed=0), dtype, device, plan.max_len, plan.max_seqs), args.config
-    from twophase.loader import DEFAULT_MODEL, open_model_source
 
-    source = open_model_source(args.model or DEFAULT_MODEL)
-    bench = PhaseBench(source.config, source.iter_weights(progress=False), dtype, device, plan.max_len, plan.max_seqs)
-    return bench, str(args.model or DEFAULT_MODEL)
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The engine config of a `bench phases` run (a worker host of it reads its ranks, threads and device)."""
+    from twophase.cli import parallel_config_from_args
+    from twophase.loader import DEFAULT_MODEL
+
+    model = args.config or str(args.model or DEFAULT_MODEL)
+    return bench_engine_config(model, args.dtype, args.device, plan_from_args(args),
+                               parallel=parallel_config_from_args(args), num_threads=args.threads)  # fmt: skip
+
+
+def _open(args: argparse.Namespace, config: EngineConfig) -> PhaseBench:
+    """Rank 0's bench on the model (or synthetic config) of ``args``, its other ranks started."""
+    if not args.config:
+        from twophase.loader import open_model_source
+
+        return PhaseBench.start(config, open_model_source(config.model))
+    from twophase.distributed.launch import topology
+    from twophase.distributed.sharding import check_size
+
+    source = SyntheticSource(SYNTHETIC_CONFIGS[args.config])
+    size = topology(config.parallel).world_size
+    if size > 1:
+        check_size(source.config, size)  # the usual refusal first
+        raise ConfigError("--tensor-parallel-size > 1 needs --model: every rank loads its own shard of the "
+                          "model's files (--config random weights run on one rank)")  # fmt: skip
+    return PhaseBench.start(config, source)
 
 
 def run_phases(args: argparse.Namespace) -> dict:
     """Measure everything the arguments ask for and return the JSON-ready result."""
-    from twophase.engine.llm_engine import resolve_dtype
-
     if args.n_gen < 1 or args.repetitions < 1:
         raise ValueError("-n and -r must be at least 1")
-    device = torch.device(args.device)
-    dtype = resolve_dtype(args.dtype, device)
-    plan = PhasePlan(args.n_prompt, args.n_gen, args.batch_size, args.n_depth, args.repetitions, args.batched_pp)
-    bench, model_name = _load(args, dtype, device, plan)
-    ceilings = None
-    if args.measure_ceilings:
-        names = (args.ceiling_dtypes or dtype_name(dtype)).split(",")
-        ceilings = measure_ceilings(device, [getattr(torch, n) for n in names])
-    rows, batched = run_plan(bench, plan)
-    return assemble(model_name, bench, dtype, plan, rows, batched, ceilings)
+    plan = plan_from_args(args)
+    config = engine_config(args)
+    bench = _open(args, config)
+    try:
+        dtype = bench.runner.dtype
+        ceilings = None
+        if args.measure_ceilings:
+            names = (args.ceiling_dtypes or dtype_name(dtype)).split(",")
+            ceilings = measure_ceilings(bench.device, [getattr(torch, n) for n in names])
+        rows, batched = run_plan(bench, plan)
+    finally:
+        bench.close()
+    return assemble(config.model, bench, dtype, plan, rows, batched, ceilings)
 
 
 def assemble(model_name: str, bench: PhaseBench, dtype: torch.dtype, plan: PhasePlan, rows: list[PhaseResult],
@@ -89,6 +118,9 @@ def assemble(model_name: str, bench: PhaseBench, dtype: torch.dtype, plan: Phase
                     for b in batched],
         "ceilings": ceilings.to_dict() if ceilings else None,
         "compute_bound_batch": None,
+        "tensor_parallel_size": bench.tp.size if bench.tp else 1,
+        "tensor_parallel_backend": bench.tp.backend if bench.tp else None,
+        "threads_per_rank": torch.get_num_threads(),
     }  # fmt: skip
     if peak:
         ctx = plan.depth + plan.pp_batched + plan.decode_steps // 2
@@ -133,8 +165,27 @@ def format_result(result: dict) -> str:
             f"| {tg['seconds_mean']:8.3f} | {tg['tokens_per_s_mean']:8.1f} | {tg['intensity']:9.2f} "
             f"| {tg['bytes_per_s'] / 1e9:7.2f} | {_util(tg)} |"
         )
-    lines += _ceiling_lines(result)
+    lines += _ceiling_lines(result) + _tensor_parallel_lines(result)
     return "\n".join(lines)
+
+
+def _tensor_parallel_lines(result: dict) -> list[str]:
+    """Rank 0's all-reduces per forward step of every shape, when more than one rank ran."""
+    size = result.get("tensor_parallel_size", 1)
+    if size == 1:
+        return []
+    lines = ["", f"tensor parallel: {size} ranks ({result['tensor_parallel_backend']}, threads per rank: "
+                 f"{result['threads_per_rank']}); rank 0's all-reduces per forward step:"]  # fmt: skip
+    rows = result["results"] + [b[k] for b in result["batched"] for k in ("prefill", "decode")]
+    for r in rows:
+        steps = 1 if r["kind"] == "prefill" else r["tokens_per_seq"]
+        step_ms = 1000 * r["seconds_mean"] / steps
+        lines.append(f"  {r['name']:>16}: {r['all_reduces_per_step']:.0f} all-reduces, "
+                     f"{r['all_reduce_ms_per_step']:.2f} ms in them of {step_ms:.2f} ms per step")  # fmt: skip
+    if result["tensor_parallel_backend"] == "gloo":
+        lines.append("(gloo all-reduces cost milliseconds and the ranks of one host share its cores: expect tp > 1 "
+                     "to be slower than tp = 1 on a CPU)")  # fmt: skip
+    return lines
 
 
 def _ceiling_lines(result: dict) -> list[str]:

@@ -42,6 +42,19 @@ class CollectiveStats:
     num_all_reduces: int = 0
     all_reduce_seconds: float = 0.0
 
+    def snapshot(self) -> CollectiveStats:
+        """A copy of the counters now (to subtract from later ones)."""
+        return dataclasses.replace(self)
+
+    def per_step(self, before: CollectiveStats, steps: int) -> dict[str, float]:
+        """All-reduces and milliseconds spent in them per step since ``before``, over ``steps`` steps
+        (the benchmarks' JSON keys)."""
+        steps = max(steps, 1)
+        return {
+            "all_reduces_per_step": (self.num_all_reduces - before.num_all_reduces) / steps,
+            "all_reduce_ms_per_step": 1000 * (self.all_reduce_seconds - before.all_reduce_seconds) / steps,
+        }
+
 
 class TensorParallelGroup:
     """One rank's view: its shard plan, the collectives, and (rank 0) the step broadcast and the workers."""

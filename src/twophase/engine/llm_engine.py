@@ -62,6 +62,20 @@ def build_model_runner(config: EngineConfig, source, tp=None, progress: bool = T
     )  # fmt: skip
 
 
+def start_model_runner(config: EngineConfig, source, progress: bool = True) -> ModelRunner:
+    """Rank 0's model runner of ``config``: first starts (or joins) the other tensor-parallel ranks, which
+    refuses a size the model cannot split; stops them again if loading fails. ``runner.tp`` is the group."""
+    from twophase.distributed.launch import start_engine_rank
+
+    tp = start_engine_rank(config, source.config)  # None without tensor parallelism
+    try:
+        return build_model_runner(config, source, tp, progress)
+    except BaseException:
+        if tp is not None:
+            tp.close()
+        raise
+
+
 def runner_options(config: EngineConfig) -> RunnerOptions:
     """How the runners of ``config`` execute (weight format, backends, batch size)."""
     return RunnerOptions(config.quantization, config.attention_backend, config.linear_backend,
@@ -80,15 +94,8 @@ class LLMEngine:
         self.dtype = resolve_dtype(config.dtype, self.device)
         max_model_len = min(config.scheduler.max_model_len, self.model_config.max_position_embeddings)
         self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
-        from twophase.distributed.launch import start_engine_rank
-
-        self.tp = start_engine_rank(config, self.model_config)  # None without tensor parallelism
-        try:
-            self.model_runner = build_model_runner(config, source, self.tp, progress)
-        except BaseException:
-            if self.tp is not None:
-                self.tp.close()
-            raise
+        self.model_runner = start_model_runner(config, source, progress)
+        self.tp = self.model_runner.tp  # None without tensor parallelism
         log.info("engine: %s", self.model_runner.describe())
         block_manager = BlockManager(
             self.model_runner.num_blocks, config.cache.block_size, config.cache.enable_prefix_caching

@@ -17,7 +17,7 @@ import torch
 
 from twophase.config import CacheConfig, ModelConfig
 from twophase.engine import hardware
-from twophase.engine.input_batch import build_input_batch
+from twophase.engine.input_batch import InputBatch, build_input_batch
 from twophase.model.attention import make_attention_backend
 from twophase.model.registry import build_model
 from twophase.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -167,15 +167,25 @@ class ModelRunner:
         self._update_states(scheduler_output)
         if not scheduler_output.scheduled:
             return ModelRunnerOutput()
-        with self._distributed("execute", scheduler_output):
-            batch = build_input_batch(scheduler_output, self.block_size, self.device)
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, hidden]
-            if not batch.sample_request_ids:
-                return ModelRunnerOutput()
-            logits = self.model.compute_logits(hidden[batch.sample_token_indices]).float()  # [num_logits, vocab]
+        batch = build_input_batch(scheduler_output, self.block_size, self.device)
+        logits = self.sampled_logits(scheduler_output, batch)
+        if logits is None:
+            return ModelRunnerOutput()
+        logits = logits.float()  # [num_logits, vocab]
         if all(c == 1 for c in batch.sample_counts):
             return self._sample(logits, batch.sample_request_ids)
         return self._sample_and_verify(logits, batch.sample_request_ids, batch.sample_counts, scheduler_output)
+
+    @torch.inference_mode()
+    def sampled_logits(self, scheduler_output: SchedulerOutput, batch: InputBatch) -> torch.Tensor | None:
+        """One forward of ``batch`` (built from ``scheduler_output``) and the logits of its sampled rows
+        ([num_logits, vocab], model dtype; None when no row samples). Under tensor parallelism the other ranks
+        run the same forward. Neither samples nor touches request states (the phase benchmark times this)."""
+        with self._distributed("execute", scheduler_output):
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, hidden]
+            if not batch.sample_request_ids:
+                return None
+            return self.model.compute_logits(hidden[batch.sample_token_indices])
 
     def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> ModelRunnerOutput:
         """One token per request. logits: [num_sampled, vocab]."""

@@ -2,9 +2,10 @@
 decode engine waits for. Every method runs on the engine's loop thread; nothing here touches tensors.
 
 Prefill side: a request sent with ``do_remote_decode`` keeps its blocks when it finishes, under a lease that
-ends on a read (the blocks are copied out and freed in the same loop-thread call), on an explicit release, or
-at its deadline. ``lease_for_read`` checks the deadline itself, so a read after expiry fails even before the
-expiry sweep has run, and never sees freed blocks.
+ends on a tcp read (the blocks are copied out and freed in the same loop-thread call), on the reader's
+``read_done`` after a cuda-ipc read (the lease then also holds the staging tensor the reader maps), on an
+explicit release, or at its deadline. ``lease_for_read`` checks the deadline itself, so a read after expiry
+fails even before the expiry sweep has run, and never sees freed blocks.
 
 Decode side: a request carrying a ``RemoteHandle`` first takes its local prefix-cache hit, then allocates the
 remaining *full* prompt blocks (never caching them before their data arrives) and waits in
@@ -17,7 +18,7 @@ from __future__ import annotations
 import collections
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 from twophase.kv_cache.block_manager import BlockManager
 from twophase.kv_transfer.spec import RemoteHandle, token_digest
@@ -31,6 +32,7 @@ class Lease:
     request: Request
     block_ids: list[int]
     deadline: float
+    staging: Any = None  # cuda-ipc: the copy a reader maps, kept alive until its read_done or the deadline
 
 
 @dataclass
@@ -51,6 +53,7 @@ class TransferCounters:
 
     num_transfers: int = 0
     num_bytes: int = 0
+    by_transport: dict[str, int] = field(default_factory=dict)  # transfers by path: tcp | cuda-ipc
     seconds: collections.deque[float] = field(default_factory=collections.deque)  # durations not yet exported
     failures: dict[str, int] = field(default_factory=dict)  # cause → count
     num_prefix_hits: int = 0  # remote requests served by the local prefix cache, no transfer
@@ -98,7 +101,13 @@ class SchedulerConnector:
             raise LookupError(f"blocks [{first_block}, {end}) are outside request {request_id!r}")
         if token_digest(lease.request.prompt_token_ids[: end * bs]) != digest:
             raise LookupError(f"request {request_id!r} holds a different prompt")
+        if lease.staging is not None:
+            raise LookupError(f"request {request_id!r} was already read (waiting for its read_done)")
         return lease.block_ids[first_block:end]
+
+    def hold(self, request_id: str, staging: Any) -> None:
+        """Keep ``staging`` (a read's payload, mapped by the reader) under the lease until it ends."""
+        self.leases[request_id].staging = staging
 
     def release(self, request_id: str) -> bool:
         """Free a lease's blocks (idempotent); True when there was one."""
@@ -154,7 +163,7 @@ class SchedulerConnector:
         request.timeline.kv_transfer_start = self.clock()
         return "load"
 
-    def finish_load(self, request_id: str, num_bytes: int) -> Request | None:
+    def finish_load(self, request_id: str, num_bytes: int, via: str = "tcp") -> Request | None:
         """The blocks arrived and are written: cache them and count the tokens as computed. Returns the request
         to resume (None if it was aborted meanwhile)."""
         load = self.loading.pop(request_id, None)
@@ -165,10 +174,15 @@ class SchedulerConnector:
         self.block_manager.cache_blocks(request, request.num_computed_tokens)
         request.timeline.kv_transfer_end = self.clock()
         request.timeline.kv_transfer_bytes = num_bytes
-        self.counters.num_transfers += 1
-        self.counters.num_bytes += num_bytes
+        self.count_transfer(num_bytes, via)
         self.counters.seconds.append(request.timeline.kv_transfer_end - request.timeline.kv_transfer_start)
         return request
+
+    def count_transfer(self, num_bytes: int, via: str) -> None:
+        """Count one completed transfer of ``num_bytes`` over ``via`` (tcp | cuda-ipc)."""
+        self.counters.num_transfers += 1
+        self.counters.num_bytes += num_bytes
+        self.counters.by_transport[via] = self.counters.by_transport.get(via, 0) + 1
 
     def count_failure(self, cause: str) -> None:
         """Count one failed transfer by cause."""

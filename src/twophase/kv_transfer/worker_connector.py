@@ -1,15 +1,15 @@
 """The worker's half of KV transfer: copy a request's blocks out of, or into, the paged KV cache.
 
-The cache is one ``(K, V)`` pair per layer, each ``[num_blocks * block_size, num_kv_heads, head_dim]``. On the
-wire a run of blocks is one contiguous buffer ``[num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]``
-in the cache's dtype, raw bytes.
+The cache is one ``(K, V)`` pair per layer, each ``[num_blocks * block_size, num_kv_heads, head_dim]``. A run of
+blocks travels as one contiguous tensor ``[num_layers, 2, num_blocks * block_size, num_kv_heads, head_dim]`` in
+the cache's dtype (``payload`` gives it its wire form: raw bytes, or a CUDA IPC handle).
 """
 
 from __future__ import annotations
 
 import torch
 
-from twophase.kv_transfer.spec import KVSpec, KVTransferError
+from twophase.kv_transfer.spec import KVSpec
 
 KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 
@@ -27,26 +27,37 @@ class WorkerConnector:
         self.kv_caches = kv_caches
         self.spec = spec
 
-    @torch.inference_mode()
-    def copy_out(self, block_ids: list[int]) -> bytes:
-        """The blocks' K/V as one buffer (see the module docstring for the layout)."""
-        device = self.kv_caches[0][0].device
-        slots = _slots(block_ids, self.spec.block_size, device)
-        stacked = torch.stack([torch.stack((k[slots], v[slots])) for k, v in self.kv_caches])  # [L, 2, n*bs, H, D]
-        return stacked.contiguous().cpu().view(torch.uint8).numpy().tobytes()
+    @property
+    def device(self) -> torch.device:
+        """Where the cache lives."""
+        return self.kv_caches[0][0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The cache's dtype."""
+        return self.kv_caches[0][0].dtype
+
+    def payload_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """Shape of the tensor holding ``num_blocks`` blocks: [L, 2, n*bs, H, D]."""
+        s = self.spec
+        return (s.num_layers, 2, num_blocks * s.block_size, s.num_kv_heads, s.head_dim)
+
+    @torch.no_grad()
+    def gather(self, block_ids: list[int]) -> torch.Tensor:
+        """The blocks' K/V copied into one new contiguous tensor [L, 2, n*bs, H, D] on the cache's device (a
+        plain tensor, not an inference tensor, so torch can share it over CUDA IPC)."""
+        slots = _slots(block_ids, self.spec.block_size, self.device)
+        return torch.stack([torch.stack((k[slots], v[slots])) for k, v in self.kv_caches])  # [L, 2, n*bs, H, D]
 
     @torch.inference_mode()
-    def copy_in(self, block_ids: list[int], data: bytes) -> None:
-        """Write a buffer produced by ``copy_out`` (on an engine with an equal spec) into these blocks."""
-        expected = len(block_ids) * self.spec.bytes_per_block
-        if len(data) != expected:
-            raise KVTransferError(f"received {len(data)} bytes for {len(block_ids)} blocks, expected {expected}",
-                                  "size_mismatch")
-        k0 = self.kv_caches[0][0]
-        shape = (self.spec.num_layers, 2, len(block_ids) * self.spec.block_size, self.spec.num_kv_heads,
-                 self.spec.head_dim)
-        values = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(k0.dtype).reshape(shape).to(k0.device)
-        slots = _slots(block_ids, self.spec.block_size, k0.device)
+    def scatter(self, block_ids: list[int], values: torch.Tensor) -> None:
+        """Write ``values`` [L, 2, n*bs, H, D] (from ``gather`` on an engine with an equal spec, on any device)
+        into these blocks, and wait until the copy is done: the source may be another process's memory that is
+        released right after."""
+        values = values.to(self.device)  # [L, 2, n*bs, H, D]
+        slots = _slots(block_ids, self.spec.block_size, self.device)
         for layer, (k, v) in enumerate(self.kv_caches):
             k.index_copy_(0, slots, values[layer, 0])
             v.index_copy_(0, slots, values[layer, 1])
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()

@@ -11,6 +11,14 @@ from torch import nn
 from twophase.config import ConfigError, ModelConfig
 
 
+class DirectCallModule(nn.Module):
+    """A module on the per-token hot path: calling it runs ``forward`` directly, without ``nn.Module.__call__``'s
+    hook and tracing machinery (~3 µs a call; a decode step makes ~200 such calls). These modules take no hooks."""
+
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
+
+
 class RMSNorm(nn.Module):
     """Root-mean-square norm computed in float32, as HF Llama does."""
 

@@ -13,11 +13,11 @@ from torch import nn
 
 from twophase.config import ModelConfig
 from twophase.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
-from twophase.model.layers import RMSNorm, RotaryEmbedding
+from twophase.model.layers import DirectCallModule, RMSNorm, RotaryEmbedding
 from twophase.model.ops.fused import LayerOps, Rope
 
 
-class LlamaAttention(nn.Module):
+class LlamaAttention(DirectCallModule):
     """Grouped-query self-attention with a fused QKV projection."""
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend) -> None:
@@ -40,7 +40,7 @@ class LlamaAttention(nn.Module):
         return self.o_proj(out.reshape(-1, self.q_size))
 
 
-class LlamaMLP(nn.Module):
+class LlamaMLP(DirectCallModule):
     """SwiGLU MLP with a fused gate/up projection."""
 
     def __init__(self, config: ModelConfig) -> None:
@@ -54,7 +54,7 @@ class LlamaMLP(nn.Module):
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2 * inter] → [T, inter] → [T, hidden]
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(DirectCallModule):
     """Pre-norm attention + MLP block, in the residual-stream form: the norm of each sub-block is fused with the
     residual add before it (``LayerOps.add_rms_norm_``)."""
 
@@ -102,18 +102,19 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states of every token of the flat batch."""
         self.backend.prepare(meta)  # backend index tensors, once for all layers
         residual = self.embed_tokens(input_ids)  # [T, hidden]
-        rope = self._rope(positions, residual)  # once for all layers
+        ops = self.ops.bind(residual)  # kernels or eager torch, decided once for all layers
+        rope = self._rope(positions, residual, ops)  # once for all layers
         first = self.layers[0].input_layernorm
-        h = self.ops.rms_norm(residual, first.weight, first.eps)  # [T, hidden]
+        h = ops.rms_norm(residual, first.weight, first.eps)  # [T, hidden]
         norms = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
         for layer, next_norm, kv_cache in zip(self.layers, norms, kv_caches):
-            h = layer(h, residual, next_norm, rope, kv_cache, meta, self.ops)
+            h = layer(h, residual, next_norm, rope, kv_cache, meta, ops)
         return h
 
-    def _rope(self, positions: torch.Tensor, like: torch.Tensor) -> Rope:
+    def _rope(self, positions: torch.Tensor, like: torch.Tensor, ops: LayerOps) -> Rope:
         positions = positions.to(torch.long).contiguous()
         cos = sin = None
-        if not self.ops.uses_kernels(like):
+        if not ops.uses_kernels(like):
             cos, sin = self.rotary(positions, like.dtype)  # [T, 1, D] each
         return Rope(positions, self.rotary.cos, self.rotary.sin, cos, sin)
 

@@ -48,6 +48,10 @@ def add_kv_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-lease-timeout", type=float, default=30.0,
                    help="prefill: seconds a finished prefill's blocks wait for their reader before they are freed")
     p.add_argument("--kv-transfer-timeout", type=float, default=10.0, help="bound on each KV transfer exchange (s)")
+    p.add_argument("--kv-transport", default="auto", choices=["auto", "tcp", "cuda-ipc"],
+                   help="how KV blocks travel: tcp (bytes over TCP, any device, across hosts); cuda-ipc (a CUDA IPC "
+                   "handle, the blocks stay on the GPU: both servers on CUDA on one host, else the handshake refuses); "
+                   "auto (default): cuda-ipc when the handshake finds both on CUDA on one host, tcp otherwise")
 
 
 def kv_transfer_config(args: argparse.Namespace):
@@ -58,7 +62,7 @@ def kv_transfer_config(args: argparse.Namespace):
         return KVTransferConfig()
     return KVTransferConfig(role=args.kv_role, host=args.kv_host, port=args.kv_port,
                             advertise_host=args.kv_advertise_host, lease_timeout_s=args.kv_lease_timeout,
-                            transfer_timeout_s=args.kv_transfer_timeout)
+                            transfer_timeout_s=args.kv_transfer_timeout, transport=args.kv_transport)
 
 
 def register_proxy(subparsers: argparse._SubParsersAction) -> None:

@@ -113,4 +113,6 @@ def _snapshot(engine: Any) -> dict[str, Any]:
             "num_blocks_in_use": engine.scheduler.block_manager.num_blocks_in_use,
             "invariants_ok": error is None, "invariants_error": error,
             "num_transfers": c.num_transfers, "num_bytes": c.num_bytes, "failures": dict(c.failures),
+            "transport": engine.kv_connector.config.transport, "transfers_by_transport": dict(c.by_transport),
+            "peers": {f"{host}:{port}": via for (host, port), via in list(engine.kv_connector.peers.items())},
             "num_prefix_hits": c.num_prefix_hits, "num_expired_leases": c.num_expired_leases}

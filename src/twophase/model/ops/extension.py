@@ -8,8 +8,10 @@ Kernels (all CPU, OpenMP over torch's intra-op threads, AVX2/FMA with a scalar f
 
 - ``linear(x, w, bias=None)``: x fp32 [M,K]; w fp32 or bf16 [N,K]; bias [N] -> fp32 [M,N].
 - ``linear_int8(x, wq, scale, bias=None)``: wq int8 [N,K], scale fp32 [N]; y = (x @ wq.T) * scale + bias.
-- ``linear_q8_0(x, qs, d, bias=None)``: qs int8 [N,K], d fp32 [N,K/32]; w = d * q (layouts: ``quant.py``).
-- ``linear_q4_1(x, qs, d, m, bias=None)``: qs uint8 [N,K/2] (GGUF nibble order), d, m fp32 [N,K/32]; w = d*q + m.
+- ``linear_q8_0(x, qs, d, bias=None, quantize_x=False)``: qs int8 [N,K], d fp32 [N,K/32]; w = d * q (layouts:
+  ``quant.py``); ``quantize_x``: x rounded to int8 blocks of 32 first (``quant.quantize_activations``), integer dots.
+- ``linear_q4_1(x, qs, d, m, bias=None, quantize_x=False)``: qs uint8 [N,K/2] (GGUF nibble order), d, m fp32
+  [N,K/32]; w = d*q + m.
 - ``paged_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size, scale)``:
   writes ``out`` [T,H,D]; see ``reference_paged_attention`` in ``model/attention.py`` (the oracle).
 - fused layer ops (``csrc/fused.cpp``; float32 / bfloat16, rounding as the eager torch code they replace):

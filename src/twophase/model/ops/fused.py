@@ -30,11 +30,19 @@ class Rope(NamedTuple):
 class LayerOps:
     """RMSNorm, residual add + RMSNorm, SiLU-and-mul, rotary + KV-cache write; ``kernels`` None: eager torch."""
 
-    def __init__(self, kernels: ModuleType | None = None) -> None:
+    def __init__(self, kernels: ModuleType | None = None, decided: bool | None = None) -> None:
         self.kernels = kernels
+        self.decided = decided  # set by ``bind``: kernels or not for every call, without looking at the tensors
+
+    def bind(self, x: torch.Tensor) -> LayerOps:
+        """These ops for one forward over activations like ``x`` [T, H]: whether the kernels apply is decided here,
+        once, instead of in each of the ~5 calls per layer."""
+        return LayerOps(self.kernels, self.uses_kernels(x))
 
     def uses_kernels(self, x: torch.Tensor) -> bool:
         """Whether ops on tensors like ``x`` run our kernels (else eager torch, which needs ``Rope.cos/sin``)."""
+        if self.decided is not None:
+            return self.decided
         return self.kernels is not None and x.device.type == "cpu" and x.dtype in KERNEL_DTYPES
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

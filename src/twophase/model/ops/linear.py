@@ -8,7 +8,9 @@ Methods (``--quantization`` picks the weight format, the C++ kernels make it fas
   rows of the batch, at memory bandwidth); rows beyond ``max_kernel_rows`` go to ``F.linear`` (GEMM-bound).
 - ``int8``: weight-only int8 with one float32 scale per output channel (symmetric, round to nearest).
 - ``q8_0`` / ``q4_1``: GGUF's block formats (32 weights per block: ``d·q`` / ``d·q + m``), executed without
-  dequantising to a full-precision copy; activations stay float32.
+  dequantising to a full-precision copy. As in llama.cpp, activations are rounded to int8 blocks of 32 first
+  (``quant.quantize_activations``), so each block's dot product is integer arithmetic (``maddubs``) — on every path
+  and every batch size, so a request's logits do not depend on which path its batch took.
 
 Without the kernels every method still runs (plain torch: dequantise then ``F.linear``), slower but equal.
 """
@@ -21,14 +23,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from twophase.model.layers import DirectCallModule
+
 QUANTIZATIONS = ("none", "int8", "q8_0", "q4_1", "gguf")  # gguf: each weight in the block format it is stored in
+BLOCK_FORMATS = ("q8_0", "q4_1")  # GGUF blocks of 32: executed with int8 activation blocks
 # Beyond this many rows a GEMM (F.linear on float32 weights) beats streaming the weight per row tile. Measured
-# over SmolLM2-135M's 121 matrices on a 2-core Zen 3 (benchmarks/bench_kernels.py): the float, int8 and q8_0
-# kernels still win at 128 rows, q4_1 (nibble unpacking) stops winning after 32.
-MAX_KERNEL_ROWS = {"none": 128, "int8": 128, "q8_0": 128, "q4_1": 32}
+# over SmolLM2-135M's 121 matrices on a 2-core Zen 3 (benchmarks/bench_kernels.py): every kernel still wins at
+# 128 rows (the block formats' F.linear path also pays a dequantisation per call), and ties at 512.
+MAX_KERNEL_ROWS = {"none": 128, "int8": 128, "q8_0": 128, "q4_1": 128}
 
 
-class DenseLinear(nn.Module):
+class DenseLinear(DirectCallModule):
     """``F.linear`` on the weight as loaded (reference)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
@@ -58,7 +63,7 @@ class KernelLinear(DenseLinear):
         return self.kernels.linear(x.float(), self.weight, self.bias32).to(x.dtype)
 
 
-class QuantizedLinear(nn.Module):
+class QuantizedLinear(DirectCallModule):
     """Weight-only quantized linear: int8 per channel, or GGUF Q8_0 / Q4_1 blocks."""
 
     def __init__(
@@ -80,10 +85,18 @@ class QuantizedLinear(nn.Module):
         """y = x dequant(W)ᵀ + b, without materialising dequant(W) for small batches when the kernels exist."""
         x32 = x if x.dtype == torch.float32 else x.float()
         if self.kernel is None or x.shape[0] > MAX_KERNEL_ROWS[self.fmt]:
-            y = F.linear(x32, self.dequantized(), self.bias32)
+            y = F.linear(self.rounded_input(x32), self.dequantized(), self.bias32)
         else:
             y = self.kernel(x32, *self.packed, self.bias32)  # the kernel makes x contiguous if it is not
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def rounded_input(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32
+        """``x`` as this layer's kernel sees it: rounded to int8 blocks for the block formats, else unchanged."""
+        if self.fmt not in BLOCK_FORMATS:
+            return x
+        from twophase.model.ops.quant import fake_quantize_activations
+
+        return fake_quantize_activations(x)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -8,6 +8,9 @@ Layouts (K must be a multiple of 32; one block = 32 consecutive weights of a row
   so raw GGUF block data converts by slicing (``from_gguf_q8_0`` / ``from_gguf_q4_1``).
 
 Scales are float32 in memory; quantizers round them through float16 like ggml, so GGUF files round-trip.
+
+Activations may be quantized too (llama.cpp's Q8_1 idea, ``quantize_activations``): blocks of 32 of a row as int8
+with one float32 scale, so a block's dot product with Q8_0 / Q4_1 weights is integer arithmetic.
 """
 
 from __future__ import annotations
@@ -85,3 +88,21 @@ def from_gguf_q4_1(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, tor
     m = blk[..., 2:4].contiguous().view(torch.float16).reshape(n, k // QK).float()
     qs = blk[..., 4:].contiguous().reshape(n, k // 2)
     return qs, d, m
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [T, K] -> (q int8 [T, K], d float32 [T, K/32]) with x ≈ d · q: d = max|x| / 127 per block, q rounded
+    to nearest even. The C++ kernels quantize with the same float32 operations, so both give the same q and d."""
+    t, k = x.shape
+    b = x.float().reshape(t, k // QK, QK)
+    d = b.abs().amax(-1) / 127.0  # [T, nb]
+    inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(b * inv[..., None]).to(torch.int8)
+    return q.reshape(t, k), d
+
+
+def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:
+    """float32 [T, K] -> float32 [T, K]: x rounded to its int8 blocks (what the int8-activation kernels compute with)."""
+    q, d = quantize_activations(x)
+    t, k = x.shape
+    return (q.float().reshape(t, k // QK, QK) * d[..., None]).reshape(t, k)

@@ -1,0 +1,851 @@
+"""Accuracy and value of the calibrated simulator and the SLO-aware step budget (issue 11), end to end.
+
+Stages (each saves its JSON under ``--out``; ``results.md`` sums them up):
+
+1. **calibrate** — ``twophase calibrate`` over a grid of step mixes (or ``--steptime FILE``): the step-time model
+   never sees the runs it predicts.
+2. **accuracy** — four workloads (decode-heavy 64 in / 256 out, prefill-heavy 1024 / 16, mixed 256 / 128 with
+   lengths ±50%, shared-prefix: bench serve's prefix-repetition, 4 prefixes of 512 + 64-token suffixes / 64 out).
+   Capacity (req/s) of each is the *simulated* request throughput with every request sent at once
+   (``--request-rate inf``, ``--capacity measured`` measures it instead); loads are 30 / 60 / 85% of it as Poisson
+   rates. Per point, one ``twophase serve`` per workload (reused across its loads; every load has its own seed, so
+   no prompt of one load is in the prefix cache of the next) is driven by ``twophase bench serve`` with a fixed
+   seed and number of prompts, and ``twophase sim`` gets the same workload and engine flags. The request lists are
+   checked identical before the run (same prompt texts, token ids as the server encodes them, output lengths, send
+   offsets) and after it (the server's ``usage.prompt_tokens`` against the simulator's prompt lengths).
+   TTFT, TPOT and ITL p50/p90/p99 and goodput are compared against the issue's tolerances (p50/p90 within 15%,
+   p99 within 25%, goodput within 15%). Goodput SLOs per workload: TTFT 5x and TPOT 3x the step-time model's
+   unloaded figures (one request alone: its prefill steps; one decode step plus the gap) — loose at 30% load,
+   binding near capacity, so goodput is neither trivially all nor nothing.
+3. **sweep** — ``twophase sim --sweep budget=... max-num-seqs=...`` on the mixed workload at 85% load picks the
+   configuration with the most goodput at >= 90% attainment; every configuration is then measured; the pick passes
+   when its measured goodput is within 5% of the best measured one.
+4. **auto** — streams (short prompts, long outputs) alternating with long-prompt arrivals (pattern S S S L, a
+   custom JSONL dataset), served with fixed budgets 512 and 2048 and with ``--step-budget auto --slo-itl-ms X
+   --slo-ttft-ms Y`` (cap 2048), interleaved (512, 2048, auto, repeat), a fresh server per run, medians of
+   ``--runs``. A request is good when its TTFT <= Y and its largest inter-token gap <= X * (1 + ``--itl-slack``)
+   (the slack, 25% by default, is room for step-time noise the policy cannot foresee; the issue's p99 tolerance).
+
+   How X and Y are chosen (from the calibrated model, so they fit the machine; ``--auto-itl-ms`` /
+   ``--auto-ttft-ms`` override): X = half the predicted duration of a 512-token prefill step beside a few decode
+   rows (at least 3 decode steps of 8 rows), Y = 2.5x the predicted prefill of one long prompt alone at budget
+   2048. On the 2-core CPU with the default model a decode step of 8 rows takes ~60-100 ms and prefill runs at
+   ~350 tok/s, so a 512-token chunk stalls every stream for ~1.5 s and a 2048-token step for ~4.5 s: X ~ 0.75 s is
+   an ITL objective neither fixed budget can meet whenever a long prompt arrives, while auto's chunks (~200 tokens)
+   can; Y ~ 11 s leaves room for the extra steps auto's smaller chunks take. Note that on this CPU step time is
+   nearly linear in tokens with a small fixed cost, so TTFT and (mean per request) TPOT barely depend on the budget
+   above ~100 tokens (prefill work is conserved); the budget-512 failure of the issue's GPU picture (TTFT) does not
+   arise here. Both fixed budgets miss the ITL objective and meet TTFT; auto trades some TTFT for meeting ITL.
+
+Request lists: ``bench serve`` runs with ``--tokenizer`` (the model), ``--ignore-eos`` (the simulator always
+ignores EOS) and ``--ready-check-timeout-sec 0`` (its initial test request would put request 0's prompt in the
+prefix cache before the run; each server is warmed up with an unrelated prompt instead); ``--kv-cache-memory`` is
+explicit, so the simulator sizes the KV cache exactly as the server does. ``sim`` and ``bench serve`` run in this
+process (``twophase.cli.main``), ``calibrate`` and ``serve`` as subprocesses.
+
+Commands (the default model, float32, CPU, 2 cores: about 35 min in all, of which calibration ~5 min and the 12
+accuracy points ~13 min; ``--quick`` ~15 min; ``--smoke`` ~3 min)::
+
+    python benchmarks/bench_sim.py --out runs/bench-sim                       # everything
+    python benchmarks/bench_sim.py --quick --out runs/bench-sim-quick          # fewer, shorter points
+    python benchmarks/bench_sim.py --only auto --steptime runs/bench-sim/steptime.json
+    python benchmarks/bench_sim.py --only accuracy --workloads mixed --loads 0.6 --steptime runs/bench-sim/steptime.json
+    python benchmarks/bench_sim.py --smoke                                    # tiny random model: the wiring
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import logging
+import math
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any, Iterator
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import httpx  # noqa: E402
+import numpy as np  # noqa: E402
+from bench_disagg import Proc  # noqa: E402
+
+SERVED_NAME = "bench"
+PERCENTILES = ("p50", "p90", "p99")
+TOLERANCE = {"p50": 0.15, "p90": 0.15, "p99": 0.25, "goodput": 0.15}
+SWEEP_PICK_TOLERANCE = 0.05
+
+
+# ---------------------------------------------------------------- configuration
+
+
+@dataclass
+class Workload:
+    """One accuracy workload: its bench serve / sim flags and the mean lengths the SLOs are set from."""
+
+    name: str
+    flags: list[str]
+    input_len: int
+    output_len: int
+    prompt_multiple: int = 1  # prefix-repetition needs num_prompts % num_prefixes == 0
+
+
+@dataclass
+class AutoTest:
+    """The auto-vs-fixed workload: streams (S) and long prompts (L) in a repeating pattern, Poisson arrivals."""
+
+    stream_in: int = 64
+    stream_out: int = 192
+    long_in: int = 1536
+    long_out: int = 16
+    pattern: str = "SSSL"
+    rate: float = 0.3
+    num_prompts: int = 12
+    runs: int = 3
+    budgets: tuple[int, int] = (512, 2048)
+    itl_ms: float | None = None  # None: from the step-time model (module docstring)
+    ttft_ms: float | None = None
+    itl_slack: float = 0.25
+
+
+@dataclass
+class Profile:
+    """Everything a run needs: the engine, the run lengths, the grid, the workloads."""
+
+    model: str
+    dtype: str = "float32"
+    max_model_len: int = 2048
+    max_num_seqs: int = 64
+    budget: int = 512
+    kv_cache_memory: str = "4GiB"
+    threads: int | None = None
+    seconds: float = 40.0  # arrival window of one measured point
+    min_prompts: int = 6
+    loads: tuple[float, ...] = (0.3, 0.6, 0.85)
+    capacity_prompts: int = 96
+    capacity: str = "sim"
+    calibrate: list[str] = field(default_factory=lambda: [
+        "--budgets", "128,2048", "--concurrency", "1,8,32", "--prompt-lens", "32,1024", "--output-len", "32"])
+    sweep: list[str] = field(default_factory=lambda: ["budget=128,2048", "max-num-seqs=8,32"])
+    sweep_workload: str = "mixed"
+    sweep_load: float = 0.85
+    seed: int = 0
+    auto: AutoTest = field(default_factory=AutoTest)
+    workloads: list[Workload] = field(default_factory=list)
+    accuracy_workloads: tuple[str, ...] = ()  # a subset of the workloads' names for the accuracy stage (() = all)
+
+    def engine_flags(self, **overrides: Any) -> list[str]:
+        """The engine flags serve and sim share (``budget`` / ``max_num_seqs`` overridable)."""
+        values = {"budget": self.budget, "max_num_seqs": self.max_num_seqs, **overrides}
+        flags = ["--dtype", self.dtype, "--max-model-len", str(self.max_model_len), "--block-size", "16",
+                 "--kv-cache-memory", self.kv_cache_memory, "--max-num-seqs", str(values["max_num_seqs"]),
+                 "--max-num-batched-tokens", str(values["budget"])]  # fmt: skip
+        return flags + (["--threads", str(self.threads)] if self.threads else [])
+
+
+def random_flags(input_len: int, output_len: int, range_ratio: float = 0.0) -> list[str]:
+    """bench serve's random dataset."""
+    return ["--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len",
+            str(output_len), "--random-range-ratio", str(range_ratio)]  # fmt: skip
+
+
+def prefix_flags(prefix: int, suffix: int, output_len: int, num_prefixes: int) -> list[str]:
+    """bench serve's prefix-repetition dataset."""
+    return ["--dataset-name", "prefix-repetition", "--prefix-repetition-prefix-len", str(prefix),
+            "--prefix-repetition-suffix-len", str(suffix), "--prefix-repetition-output-len", str(output_len),
+            "--prefix-repetition-num-prefixes", str(num_prefixes)]  # fmt: skip
+
+
+def default_workloads(scale: float = 1.0) -> list[Workload]:
+    """The four accuracy workloads; ``scale`` shrinks every length (the smoke run's tiny model)."""
+    def s(n: int) -> int:
+        return max(2, int(n * scale))
+
+    return [
+        Workload("decode-heavy", random_flags(s(64), s(256)), s(64), s(256)),
+        Workload("prefill-heavy", random_flags(s(1024), s(16)), s(1024), s(16)),
+        Workload("mixed", random_flags(s(256), s(128), 0.5), s(256), s(128)),
+        Workload("shared-prefix", prefix_flags(s(512), s(64), s(64), 4), s(512) + s(64), s(64), 4),
+    ]
+
+
+def make_profile(args: argparse.Namespace) -> Profile:
+    """The profile the flags ask for (full, quick or smoke)."""
+    profile = Profile(model=args.model, dtype=args.dtype, threads=args.threads, capacity=args.capacity,
+                      seed=args.seed, workloads=default_workloads())  # fmt: skip
+    if args.quick:
+        profile.seconds, profile.loads, profile.capacity_prompts = 20.0, (0.3, 0.85), 64
+        profile.calibrate = ["--budgets", "256,2048", "--concurrency", "1,16", "--prompt-lens", "32,1024",
+                             "--output-len", "24"]  # fmt: skip
+        profile.sweep = ["budget=512", "max-num-seqs=8,32"]
+        profile.auto = dataclasses.replace(profile.auto, runs=1)
+    if args.smoke:
+        smoke_profile(profile)
+    if args.runs:
+        profile.auto.runs = args.runs
+    if args.workloads:
+        profile.accuracy_workloads = tuple(args.workloads.split(","))
+    if args.loads:
+        profile.loads = tuple(float(v) for v in args.loads.split(","))
+    if args.seconds:
+        profile.seconds = args.seconds
+    profile.auto.itl_ms, profile.auto.ttft_ms = args.auto_itl_ms, args.auto_ttft_ms
+    profile.auto.itl_slack = args.itl_slack
+    return profile
+
+
+def smoke_profile(profile: Profile) -> None:
+    """Tiny sizes for the tiny random model (max 256 positions): seconds per stage, the wiring only."""
+    profile.max_model_len, profile.max_num_seqs, profile.budget, profile.kv_cache_memory = 256, 16, 64, "64MiB"
+    profile.seconds, profile.min_prompts, profile.loads, profile.capacity_prompts = 1.0, 4, (0.6,), 16
+    profile.calibrate = ["--budgets", "32,128", "--concurrency", "1,8", "--prompt-lens", "16,96", "--output-len", "16"]
+    profile.sweep = ["budget=32,128"]
+    profile.workloads = default_workloads(scale=1 / 8)
+    profile.auto = AutoTest(stream_in=16, stream_out=24, long_in=160, long_out=4, rate=20.0, num_prompts=8, runs=1,
+                            budgets=(32, 128))  # fmt: skip
+
+
+# ---------------------------------------------------------------- processes
+
+
+def run_cli(argv: list[str], log: Path, in_process: bool = True) -> None:
+    """``twophase ARGV``, its output to ``log``; raises with the log's tail on failure. ``sim`` and ``bench serve``
+    run in this process (no interpreter and torch start-up per point: the simulator computes nothing, the client
+    only waits on sockets); ``calibrate``, which loads a model, runs in a subprocess."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with open(log, "w") as handle:
+        handle.write("twophase " + " ".join(argv) + "\n")
+        handle.flush()
+        code = cli_in_process(argv, handle) if in_process else subprocess.run(
+            [sys.executable, "-m", "twophase.cli", *argv], stdout=handle, stderr=subprocess.STDOUT).returncode
+    if code != 0:
+        tail = "\n".join(log.read_text().splitlines()[-15:])
+        raise RuntimeError(f"twophase {argv[0]} exited with {code} (log {log}):\n{tail}")
+
+
+def cli_in_process(argv: list[str], handle: IO[str]) -> int:
+    """``twophase.cli.main(argv)`` with stdout, stderr and log records written to ``handle``; its exit code."""
+    from twophase.cli import main as twophase_main
+
+    records = logging.StreamHandler(handle)
+    logging.getLogger().addHandler(records)
+    try:
+        with contextlib.redirect_stdout(handle), contextlib.redirect_stderr(handle):
+            return twophase_main(argv)
+    except SystemExit as exc:  # argparse
+        return int(exc.code or 0)
+    finally:
+        logging.getLogger().removeHandler(records)
+
+
+def start_server(profile: Profile, log: Path, engine: list[str], extra: list[str] | None = None) -> Proc:
+    """A ``twophase serve`` on a free port, waited on and warmed up with one request unrelated to any workload."""
+    argv = ["serve", "--model", profile.model, "--served-model-name", SERVED_NAME, *engine, *(extra or [])]
+    server = Proc(argv, None, log).wait()
+    body = {"model": SERVED_NAME, "prompt": "Warm-up: count from one to ten.", "max_tokens": 8, "temperature": 0}
+    httpx.post(f"{server.url}/v1/completions", json=body, timeout=600).raise_for_status()
+    return server
+
+
+def bench_serve_argv(url: str, profile: Profile, workload: list[str], slos: dict[str, float], out: Path) -> list[str]:
+    """``bench serve`` against ``url``: local tokenizer, EOS ignored, no ready-check request (it would put the first
+    prompt in the prefix cache), detailed JSON to ``out``."""
+    return ["bench", "serve", "--base-url", url, "--model", SERVED_NAME, "--tokenizer", profile.model,
+            "--ready-check-timeout-sec", "0", "--ignore-eos", "--disable-tqdm", *workload, *common_result_flags(
+                slos, out)]  # fmt: skip
+
+
+def sim_argv(profile: Profile, steptime: Path, engine: list[str], workload: list[str], slos: dict[str, float],
+             out: Path) -> list[str]:
+    """``twophase sim`` with the same workload and engine flags."""
+    return ["sim", "--model", profile.model, "--step-time-model", str(steptime), *engine, *workload,
+            *common_result_flags(slos, out)]  # fmt: skip
+
+
+def common_result_flags(slos: dict[str, float], out: Path) -> list[str]:
+    """Percentiles, SLOs and where the JSON goes (bench serve and sim alike)."""
+    goodput = ["--goodput", *[f"{k}:{v:g}" for k, v in slos.items()]] if slos else []
+    return ["--metric-percentiles", "50,90,99", *goodput, "--save-result", "--save-detailed",
+            "--result-dir", str(out.parent), "--result-filename", out.name]  # fmt: skip
+
+
+def traffic_flags(num_prompts: int, rate: float, seed: int) -> list[str]:
+    """The request count, the Poisson rate and the seed."""
+    return ["--num-prompts", str(num_prompts), "--request-rate", str(rate), "--seed", str(seed)]
+
+
+# ---------------------------------------------------------------- the step-time model's view
+
+
+def load_model(path: Path) -> Any:
+    """The saved step-time model."""
+    from twophase.steptime.model import StepTimeModel
+
+    return StepTimeModel.load(path)
+
+
+def prefill_seconds(model: Any, prompt_len: int, budget: int, decode_rows: int = 0, decode_context: int = 0) -> float:
+    """Predicted time to prefill one prompt alone (chunks of ``budget`` beside ``decode_rows`` decodes), gaps in."""
+    from twophase.steptime.features import StepFeatures, chunk_attention_pairs
+
+    total, start = 0.0, 0
+    while start < prompt_len:
+        n = min(max(1, budget - decode_rows), prompt_len - start)
+        done = start + n >= prompt_len
+        features = StepFeatures(n, 1, chunk_attention_pairs(n, start), decode_rows, decode_context,
+                                decode_rows + int(done))  # fmt: skip
+        total += model.predict(features) + model.gap_s
+        start += n
+    return total
+
+
+def decode_seconds(model: Any, rows: int, context: int) -> float:
+    """Predicted step + gap of ``rows`` decode rows holding ``context`` tokens in all."""
+    from twophase.steptime.features import StepFeatures
+
+    return model.predict(StepFeatures(decode_rows=rows, decode_context_tokens=context, sampled_rows=rows)) + model.gap_s
+
+
+def workload_slos(model: Any, workload: Workload, budget: int) -> dict[str, float]:
+    """TTFT 5x and TPOT 3x the unloaded prediction (ms, rounded)."""
+    ttft = 5 * prefill_seconds(model, workload.input_len, budget)
+    tpot = 3 * decode_seconds(model, 1, workload.input_len + workload.output_len // 2)
+    return {"ttft": round(ttft * 1000, 1), "tpot": round(tpot * 1000, 1)}
+
+
+def auto_objectives(model: Any, test: AutoTest) -> tuple[float, float]:
+    """(X, Y) in ms: the ITL and TTFT objectives of the auto test (module docstring), unless given."""
+    rows = 4
+    chunk_step = prefill_seconds(model, test.budgets[0] - rows, test.budgets[0], rows, rows * test.stream_in)
+    itl = max(0.5 * chunk_step, 3 * decode_seconds(model, 8, 8 * (test.stream_in + test.stream_out // 2)))
+    ttft = 2.5 * prefill_seconds(model, test.long_in, test.budgets[1])
+    return (test.itl_ms or round(itl * 1000, 1)), (test.ttft_ms or round(ttft * 1000, 1))
+
+
+# ---------------------------------------------------------------- identical request lists
+
+
+def request_list_mismatches(sim: list[str], bench: list[str]) -> list[str]:
+    """What differs between the requests ``twophase sim ARGS`` simulates and those ``twophase bench serve ARGS``
+    sends (prompt token ids as the server encodes the text, output lengths, send offsets); [] when identical."""
+    from twophase.bench.cli import load_config, load_requests
+    from twophase.bench.datasets import LocalCounter
+    from twophase.bench.metrics import arrival_gaps, send_offsets
+    from twophase.cli import build_parser
+    from twophase.sim.cli import sim_workload
+
+    parser = build_parser()
+    sim_args, bench_args = parser.parse_args(sim), parser.parse_args(bench)
+    simulated = sim_workload(sim_args, sim_args.request_rate)
+    counter = LocalCounter(bench_args.tokenizer)
+    samples = load_requests(bench_args, counter)
+    config = load_config(bench_args, "http://unused", SERVED_NAME)
+    rng = np.random.default_rng(config.seed)  # as bench serve's run_load paces them
+    offsets = send_offsets(arrival_gaps(len(samples), config.request_rate, config.burstiness, rng), config.request_rate)
+    sent = [(counter.tokenizer.encode(s.prompt), s.expected_output_len, float(o)) for s, o in zip(samples, offsets)]
+    problems = [f"{len(simulated)} simulated vs {len(sent)} sent requests"] if len(simulated) != len(sent) else []
+    for index, (s, (ids, out_len, offset)) in enumerate(zip(simulated, sent)):
+        if s.prompt_token_ids != ids or s.max_tokens != out_len or not math.isclose(s.send_offset, offset):
+            problems.append(f"request {index}: prompt {len(s.prompt_token_ids)}/{len(ids)} tokens, "
+                            f"output {s.max_tokens}/{out_len}, offset {s.send_offset:.3f}/{offset:.3f}")  # fmt: skip
+    return problems
+
+
+def length_mismatches(measured: dict[str, Any], simulated: dict[str, Any]) -> list[str]:
+    """Prompt lengths the server reported vs the simulator's, and output lengths, request by request."""
+    problems = []
+    for key in ("input_lens", "output_lens"):
+        if measured.get(key) != simulated.get(key):
+            pairs = [(i, m, s) for i, (m, s) in enumerate(zip(measured[key], simulated[key])) if m != s]
+            problems.append(f"{key} differ at {len(pairs)} requests, e.g. {pairs[:3]}")
+    return problems
+
+
+# ---------------------------------------------------------------- comparison
+
+
+def relative_error(measured: float | None, simulated: float | None) -> float:
+    """(sim - measured) / measured; 0 when both are 0, inf when only the measurement is 0."""
+    measured, simulated = measured or 0.0, simulated or 0.0
+    if measured == 0:
+        return 0.0 if simulated == 0 else math.inf
+    return (simulated - measured) / measured
+
+
+def compare(measured: dict[str, Any], simulated: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per figure: TTFT/TPOT/ITL p50/p90/p99 and goodput, with the error and the verdict."""
+    rows = []
+    for metric in ("ttft", "tpot", "itl"):
+        for p in PERCENTILES:
+            rows.append(comparison_row(f"{metric.upper()} {p}", measured[f"{p}_{metric}_ms"],
+                                       simulated[f"{p}_{metric}_ms"], TOLERANCE[p]))  # fmt: skip
+    rows.append(comparison_row("goodput", measured["request_goodput"], simulated["request_goodput"],
+                               TOLERANCE["goodput"]))  # fmt: skip
+    return rows
+
+
+def comparison_row(name: str, measured: float, simulated: float, tolerance: float) -> dict[str, Any]:
+    """A figure measured and simulated, its relative error and whether it is within ``tolerance``."""
+    error = relative_error(measured, simulated)
+    return {"figure": name, "measured": measured, "simulated": simulated, "error": error, "tolerance": tolerance,
+            "pass": abs(error) <= tolerance}  # fmt: skip
+
+
+def table(headers: list[str], rows: list[list[Any]]) -> str:
+    """A markdown table (also readable on the terminal)."""
+    cells = [[fmt(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    line = lambda r: "| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |"  # noqa: E731
+    return "\n".join([line(headers), "|" + "|".join("-" * (w + 2) for w in widths) + "|", *map(line, cells)])
+
+
+def fmt(value: Any) -> str:
+    """Numbers to 2-3 significant places, booleans to pass/FAIL."""
+    if isinstance(value, bool):
+        return "pass" if value else "FAIL"
+    if isinstance(value, float):
+        return "inf" if math.isinf(value) else f"{value:.3g}" if abs(value) < 100 else f"{value:.0f}"
+    return str(value)
+
+
+def pct(error: float) -> str:
+    """A relative error as a signed percentage."""
+    return "inf" if math.isinf(error) else f"{100 * error:+.1f}%"
+
+
+# ---------------------------------------------------------------- stage 1: calibrate
+
+
+def calibrate(profile: Profile, out: Path, given: str | None) -> Path:
+    """The step-time model: ``given`` when set, else ``twophase calibrate`` over the profile's grid."""
+    if given:
+        return Path(given)
+    path = out / "steptime.json"
+    start = time.monotonic()
+    print(f"calibrating ({' '.join(profile.calibrate)}) ...", flush=True)
+    run_cli(["calibrate", "--model", profile.model, *profile.engine_flags(), *profile.calibrate, "-o", str(path)],
+            out / "logs" / "calibrate.log", in_process=False)  # fmt: skip
+    print(f"calibrated in {time.monotonic() - start:.0f} s: {path}", flush=True)
+    return path
+
+
+# ---------------------------------------------------------------- stage 2: accuracy
+
+
+def num_prompts(profile: Profile, rate: float, multiple: int = 1) -> int:
+    """Enough prompts for ``profile.seconds`` of arrivals at ``rate`` (at least ``min_prompts``)."""
+    n = max(profile.min_prompts, round(rate * profile.seconds))
+    return multiple * math.ceil(n / multiple)
+
+
+def capacity(profile: Profile, steptime: Path, workload: Workload, out: Path, server: Proc | None) -> float:
+    """Request throughput with every request sent at once: simulated, or measured on ``server``."""
+    n = profile.capacity_prompts if profile.capacity == "sim" or server is None else profile.capacity_prompts // 4
+    n -= n % workload.prompt_multiple
+    flags = [*workload.flags, *traffic_flags(n, math.inf, profile.seed + 999)]
+    path = out / f"{workload.name}-capacity-{profile.capacity}.json"
+    if profile.capacity == "measured" and server is not None:
+        run_cli(bench_serve_argv(server.url, profile, flags, {}, path), out.parent / "logs" / f"{path.stem}.log")
+    else:
+        run_cli(sim_argv(profile, steptime, profile.engine_flags(), flags, {}, path),
+                out.parent / "logs" / f"{path.stem}.log")  # fmt: skip
+    return float(json.loads(path.read_text())["request_throughput"])
+
+
+def accuracy_point(profile: Profile, steptime: Path, server: Proc, workload: Workload, load: float, rate: float,
+                   seed: int, slos: dict[str, float], out: Path) -> dict[str, Any]:
+    """Measure one workload x load, simulate it, compare."""
+    n = num_prompts(profile, rate, workload.prompt_multiple)
+    flags = [*workload.flags, *traffic_flags(n, rate, seed)]
+    stem = f"{workload.name}-{round(100 * load)}pct"
+    sim_call = sim_argv(profile, steptime, profile.engine_flags(), flags, slos, out / f"{stem}-sim.json")
+    bench_call = bench_serve_argv(server.url, profile, flags, slos, out / f"{stem}-measured.json")
+    mismatches = request_list_mismatches(sim_call, bench_call)
+    started = time.monotonic()
+    run_cli(bench_call, out.parent / "logs" / f"{stem}-bench.log")
+    wall = time.monotonic() - started
+    run_cli(sim_call, out.parent / "logs" / f"{stem}-sim.log")
+    measured = json.loads((out / f"{stem}-measured.json").read_text())
+    simulated = json.loads((out / f"{stem}-sim.json").read_text())
+    mismatches += length_mismatches(measured, simulated)
+    rows = compare(measured, simulated)
+    print(f"  {stem}: {n} prompts at {rate:.3g} req/s, {wall:.0f} s measured; "
+          f"{sum(r['pass'] for r in rows)}/{len(rows)} figures within tolerance"
+          f"{'; REQUEST LISTS DIFFER' if mismatches else ''}", flush=True)  # fmt: skip
+    return {"workload": workload.name, "load": load, "rate": rate, "num_prompts": n, "seed": seed, "slos": slos,
+            "rows": rows, "request_list_mismatches": mismatches, "measured_failed": measured["failed"],
+            "steps_out_of_range": simulated.get("steps_out_of_calibrated_range", 0), "wall_s": wall}  # fmt: skip
+
+
+def run_accuracy(profile: Profile, steptime: Path, out: Path) -> dict[str, Any]:
+    """Every workload at every load; one server per workload."""
+    model = load_model(steptime)
+    out = out / "accuracy"
+    out.mkdir(parents=True, exist_ok=True)
+    points, capacities = [], {}
+    for w_index, workload in enumerate(profile.workloads):
+        if profile.accuracy_workloads and workload.name not in profile.accuracy_workloads:
+            continue
+        slos = workload_slos(model, workload, profile.budget)
+        server = start_server(profile, out.parent / "logs" / f"serve-{workload.name}.log", profile.engine_flags())
+        try:
+            capacities[workload.name] = capacity(profile, steptime, workload, out, server)
+            print(f"{workload.name}: capacity {capacities[workload.name]:.3g} req/s ({profile.capacity}), "
+                  f"SLOs {slos}", flush=True)  # fmt: skip
+            for l_index, load in enumerate(profile.loads):
+                rate = round(load * capacities[workload.name], 4)
+                seed = profile.seed + 100 * w_index + l_index
+                points.append(accuracy_point(profile, steptime, server, workload, load, rate, seed, slos, out))
+        finally:
+            server.stop()
+    return {"capacities": capacities, "capacity_source": profile.capacity, "points": points}
+
+
+# ---------------------------------------------------------------- stage 3: sweep
+
+
+def sweep_overrides(combo: dict[str, Any], profile: Profile) -> dict[str, int]:
+    """Engine-flag overrides of one sweep configuration (numeric budgets and max-num-seqs)."""
+    if combo.get("max_num_batched_tokens") == "auto":
+        raise ValueError("the measured sweep takes numeric budgets only")
+    return {"budget": int(combo.get("max_num_batched_tokens", profile.budget)),
+            "max_num_seqs": int(combo.get("max_num_seqs", profile.max_num_seqs))}  # fmt: skip
+
+
+def run_sweep(profile: Profile, steptime: Path, out: Path, capacities: dict[str, float]) -> dict[str, Any]:
+    """Simulate the sweep, then measure every configuration; is the pick within 5% of the best measured?"""
+    from twophase.sim.cli import best_goodput
+
+    out = out / "sweep"
+    out.mkdir(parents=True, exist_ok=True)
+    workload = next(w for w in profile.workloads if w.name == profile.sweep_workload)
+    slos = workload_slos(load_model(steptime), workload, profile.budget)
+    if workload.name not in capacities:
+        capacities[workload.name] = capacity(profile, steptime, workload, out, None)
+    rate = round(profile.sweep_load * capacities[workload.name], 4)
+    flags = [*workload.flags, *traffic_flags(num_prompts(profile, rate, workload.prompt_multiple), rate,
+                                             profile.seed + 500)]  # fmt: skip
+    run_cli([*sim_argv(profile, steptime, profile.engine_flags(), flags, slos, out / "sim-sweep.json"), "--sweep",
+             *profile.sweep], out.parent / "logs" / "sim-sweep.log")  # fmt: skip
+    simulated = json.loads((out / "sim-sweep.json").read_text())
+    points = [measure_config(profile, p, flags, slos, out) for p in simulated["points"]]
+    picked = simulated["best"]
+    best = max(points, key=lambda p: p["measured_goodput"])
+    ratio = pick_over_best(points, picked, best["measured_goodput"])
+    measured_pick = best_goodput([{**p["measured"], "config": p["config"]} for p in points], 0.9)
+    return {"workload": workload.name, "rate": rate, "slos": slos, "sweep": profile.sweep, "points": points,
+            "sim_pick": picked, "best_measured": best["config"],
+            "best_measured_at_floor": measured_pick and measured_pick["config"], "pick_over_best": ratio,
+            "pass": ratio is not None and ratio >= 1 - SWEEP_PICK_TOLERANCE}  # fmt: skip
+
+
+def pick_over_best(points: list[dict[str, Any]], picked: dict[str, Any] | None, best: float) -> float | None:
+    """Measured goodput of the simulator's pick over the best measured goodput (None: no pick, or no goodput)."""
+    chosen = next((p for p in points if p["config"] == picked), None)
+    if chosen is None or not best:
+        return None
+    return chosen["measured_goodput"] / best
+
+
+def measure_config(profile: Profile, sim_point: dict[str, Any], flags: list[str], slos: dict[str, float],
+                   out: Path) -> dict[str, Any]:
+    """One sweep configuration served and measured with the sweep's workload."""
+    overrides = sweep_overrides(sim_point["config"], profile)
+    name = f"budget{overrides['budget']}-seqs{overrides['max_num_seqs']}"
+    server = start_server(profile, out.parent / "logs" / f"serve-sweep-{name}.log", profile.engine_flags(**overrides))
+    try:
+        path = out / f"{name}-measured.json"
+        run_cli(bench_serve_argv(server.url, profile, flags, slos, path), out.parent / "logs" / f"sweep-{name}.log")
+    finally:
+        server.stop()
+    measured = json.loads(path.read_text())
+    keep = ("request_goodput", "slo_attainment", "request_throughput", "p99_ttft_ms", "p99_tpot_ms")
+    print(f"  sweep {name}: measured goodput {measured['request_goodput']:.3g} req/s, simulated "
+          f"{sim_point['request_goodput']:.3g}", flush=True)  # fmt: skip
+    return {"config": sim_point["config"], "name": name, "measured_goodput": measured["request_goodput"],
+            "simulated_goodput": sim_point["request_goodput"], "measured": {k: measured[k] for k in keep},
+            "simulated_attainment": sim_point["slo_attainment"]["all"]}  # fmt: skip
+
+
+# ---------------------------------------------------------------- stage 4: auto vs fixed
+
+
+def auto_dataset(profile: Profile, path: Path) -> list[str]:
+    """Write the custom JSONL (pattern of streams and long prompts, fixed seed); returns each row's kind."""
+    from twophase.bench.datasets import LocalCounter, random_text
+
+    test, counter = profile.auto, LocalCounter(profile.model)
+    rng = np.random.default_rng(profile.seed + 700)
+    kinds = [test.pattern[i % len(test.pattern)] for i in range(test.num_prompts)]
+    lines = []
+    for kind in kinds:
+        length, out_len = (test.long_in, test.long_out) if kind == "L" else (test.stream_in, test.stream_out)
+        text, _ = random_text(counter, length, rng)
+        lines.append(json.dumps({"prompt": text, "output_tokens": out_len}))
+    path.write_text("\n".join(lines) + "\n")
+    return kinds
+
+
+def auto_verdicts(result: dict[str, Any], itl_ms: float, ttft_ms: float, slack: float) -> list[dict[str, bool]]:
+    """Per request: TTFT <= Y (bench serve's own check) and largest gap <= X (1 + slack)."""
+    from twophase.bench.metrics import RequestRecord, meets_slos
+
+    out = []
+    for ttft, itl, e2el, n_out, error in zip(result["ttfts"], result["itls"], result["e2els"], result["output_lens"],
+                                              result["errors"]):  # fmt: skip
+        record = RequestRecord(success=not error and n_out > 0, output_len=n_out, ttft=ttft or 0.0, itl=itl or [],
+                               latency=e2el or 0.0)  # fmt: skip
+        ttft_ok = meets_slos(record, {"ttft": ttft_ms})
+        itl_ok = record.success and max(record.itl, default=0.0) <= itl_ms * (1 + slack) / 1000
+        out.append({"ttft": ttft_ok, "itl": itl_ok, "all": ttft_ok and itl_ok})
+    return out
+
+
+def auto_run(profile: Profile, config: str, server_flags: list[str], flags: list[str], kinds: list[str],
+             objectives: tuple[float, float], out: Path) -> dict[str, Any]:
+    """One served run of the auto workload; goodput and attainment by objective and by request kind."""
+    itl_ms, ttft_ms = objectives
+    server = start_server(profile, out.parent.parent / "logs" / f"serve-auto-{out.stem}.log", [], server_flags)
+    try:
+        run_cli(bench_serve_argv(server.url, profile, flags, {"ttft": ttft_ms}, out),
+                out.parent.parent / "logs" / f"auto-{out.stem}.log")  # fmt: skip
+    finally:
+        server.stop()
+    result = json.loads(out.read_text())
+    verdicts = auto_verdicts(result, itl_ms, ttft_ms, profile.auto.itl_slack)
+
+    def share(key: str, selected: str) -> float:
+        chosen = [v[key] for v, kind in zip(verdicts, kinds) if kind in selected]
+        return sum(chosen) / max(1, len(chosen))
+
+    row = {"config": config, "goodput": sum(v["all"] for v in verdicts) / result["duration"],
+           "attain_ttft": share("ttft", "SL"), "attain_itl": share("itl", "SL"), "attain_all": share("all", "SL"),
+           "streams_itl": share("itl", "S"), "long_ttft": share("ttft", "L"), "p99_itl_ms": result["p99_itl_ms"],
+           "p99_ttft_ms": result["p99_ttft_ms"], "p99_tpot_ms": result["p99_tpot_ms"],
+           "failed": result["failed"]}  # fmt: skip
+    print(f"  auto test {out.stem}: goodput {row['goodput']:.3g} req/s, attainment TTFT {row['attain_ttft']:.0%} "
+          f"ITL {row['attain_itl']:.0%}", flush=True)  # fmt: skip
+    return row
+
+
+def auto_configs(profile: Profile, steptime: Path, objectives: tuple[float, float]) -> dict[str, list[str]]:
+    """Server flags of fixed-small, fixed-large and auto (capped at the large budget)."""
+    small, large = profile.auto.budgets
+    itl_ms, ttft_ms = objectives
+    slo = ["--slo-ttft-ms", f"{ttft_ms:g}"]
+    auto = ["--step-budget", "auto", "--slo-itl-ms", f"{itl_ms:g}", "--step-time-model", str(steptime), *slo]
+    return {f"fixed{small}": [*profile.engine_flags(budget=small), *slo],
+            f"fixed{large}": [*profile.engine_flags(budget=large), *slo],
+            "auto": [*profile.engine_flags(budget=large), *auto]}  # fmt: skip
+
+
+def run_auto(profile: Profile, steptime: Path, out: Path) -> dict[str, Any]:
+    """Interleaved runs (small, large, auto, repeat); medians per configuration; the verdicts."""
+    out = out / "auto"
+    out.mkdir(parents=True, exist_ok=True)
+    test = profile.auto
+    objectives = auto_objectives(load_model(steptime), test)
+    kinds = auto_dataset(profile, out / "workload.jsonl")
+    flags = ["--dataset-name", "custom", "--dataset-path", str(out / "workload.jsonl"),
+             *traffic_flags(test.num_prompts, test.rate, profile.seed)]  # fmt: skip
+    print(f"auto test: ITL objective {objectives[0]:g} ms (+{test.itl_slack:.0%} slack), TTFT objective "
+          f"{objectives[1]:g} ms, {test.num_prompts} requests ({test.pattern}) at {test.rate:g} req/s", flush=True)
+    configs = auto_configs(profile, steptime, objectives)
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+    for run in range(test.runs):
+        for name, server_flags in configs.items():
+            runs[name].append(auto_run(profile, name, server_flags, flags, kinds, objectives,
+                                       out / f"{name}-run{run}.json"))  # fmt: skip
+    medians = {name: {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "config"}
+               for name, rows in runs.items()}  # fmt: skip
+    return {"objectives_ms": {"itl": objectives[0], "ttft": objectives[1]}, "itl_slack": test.itl_slack,
+            "test": dataclasses.asdict(test), "runs": runs, "medians": medians, **auto_verdict(medians, test)}
+
+
+def auto_verdict(medians: dict[str, dict[str, float]], test: AutoTest) -> dict[str, Any]:
+    """Auto meets both objectives (>= 90% attainment each), every fixed budget misses one, auto's goodput >= 1.1x
+    the better fixed budget's."""
+    fixed = [f"fixed{b}" for b in test.budgets]
+    better = max(fixed, key=lambda name: medians[name]["goodput"])
+    ratio = medians["auto"]["goodput"] / medians[better]["goodput"] if medians[better]["goodput"] else math.inf
+
+    def meets(name: str) -> dict[str, bool]:
+        return {k: medians[name][f"attain_{k}"] >= 0.9 for k in ("ttft", "itl")}
+
+    return {"better_fixed": better, "auto_over_better_fixed": ratio, "meets": {n: meets(n) for n in medians},
+            "pass": ratio >= 1.1 and all(meets("auto").values()) and all(not all(meets(n).values()) for n in fixed)}
+
+
+# ---------------------------------------------------------------- report
+
+
+def accuracy_markdown(acc: dict[str, Any]) -> list[str]:
+    """Summary matrix (errors, failures starred), then every point's table and the misses."""
+    names = [r["figure"] for r in acc["points"][0]["rows"]] if acc["points"] else []
+    matrix = [[p["workload"], f"{round(100 * p['load'])}%", p["rate"], p["num_prompts"],
+               *[pct(r["error"]) + ("" if r["pass"] else " *") for r in p["rows"]]] for p in acc["points"]]
+    passed = sum(r["pass"] for p in acc["points"] for r in p["rows"])
+    total = sum(len(p["rows"]) for p in acc["points"])
+    lines = ["## Simulator vs measured", "",
+             f"Capacity ({acc['capacity_source']}, req/s): " + ", ".join(
+                 f"{k} {v:.3g}" for k, v in acc["capacities"].items()),
+             f"Relative error (sim - measured) / measured; * = outside tolerance (p50/p90 15%, p99 25%, goodput "
+             f"15%). {passed}/{total} figures within tolerance.", "",
+             table(["workload", "load", "req/s", "prompts", *names], matrix), ""]  # fmt: skip
+    lines += identity_lines(acc)
+    for p in acc["points"]:
+        lines += [f"### {p['workload']} at {round(100 * p['load'])}% ({p['rate']} req/s, {p['num_prompts']} prompts,"
+                  f" seed {p['seed']}, SLOs {p['slos']})", "",
+                  table(["figure", "measured", "simulated", "error", "tolerance", "verdict"],
+                        [[r["figure"], r["measured"], r["simulated"], pct(r["error"]), f"{r['tolerance']:.0%}",
+                          r["pass"]] for r in p["rows"]]), ""]  # fmt: skip
+    return lines
+
+
+def identity_lines(acc: dict[str, Any]) -> list[str]:
+    """Whether sim and bench serve saw the same requests at every point."""
+    bad = [p for p in acc["points"] if p["request_list_mismatches"]]
+    if not bad:
+        return ["Request lists: identical at every point (prompt ids, output lengths, send offsets; the server's "
+                "prompt token counts equal the simulator's).", ""]
+    return ["Request lists DIFFER:", *[f"- {p['workload']} {p['load']}: {p['request_list_mismatches'][:3]}"
+                                       for p in bad], ""]  # fmt: skip
+
+
+def sweep_markdown(sweep: dict[str, Any]) -> list[str]:
+    """The measured and simulated goodput of every configuration and the verdict on the pick."""
+    rows = [[p["name"], p["simulated_goodput"], p["simulated_attainment"], p["measured_goodput"],
+             p["measured"]["slo_attainment"]["all"]] for p in sweep["points"]]  # fmt: skip
+    ratio = sweep["pick_over_best"]
+    return ["## Sweep pick", "", f"Workload {sweep['workload']} at {sweep['rate']} req/s, SLOs {sweep['slos']}, "
+            f"sweep {' '.join(sweep['sweep'])}.", "",
+            table(["configuration", "sim goodput", "sim attainment", "measured goodput", "measured attainment"],
+                  rows), "",
+            f"Sim picks {sweep['sim_pick']}; best measured {sweep['best_measured']}; picked / best measured goodput "
+            f"= {'n/a' if ratio is None else f'{ratio:.3f}'} -> {'pass' if sweep['pass'] else 'FAIL'} "
+            f"(within {SWEEP_PICK_TOLERANCE:.0%}).", ""]  # fmt: skip
+
+
+def auto_markdown(auto: dict[str, Any]) -> list[str]:
+    """Medians per configuration and the verdict."""
+    keys = ["goodput", "attain_ttft", "attain_itl", "attain_all", "streams_itl", "long_ttft", "p99_itl_ms",
+            "p99_ttft_ms", "p99_tpot_ms"]  # fmt: skip
+    rows = [[name, *[m[k] for k in keys]] for name, m in auto["medians"].items()]
+    obj = auto["objectives_ms"]
+    return ["## Auto vs fixed budgets", "",
+            f"Objectives: ITL {obj['itl']:g} ms (a request's largest gap, +{auto['itl_slack']:.0%} slack), TTFT "
+            f"{obj['ttft']:g} ms. Medians of {auto['test']['runs']} interleaved runs.", "",
+            table(["config", *keys], rows), "",
+            f"Auto / better fixed ({auto['better_fixed']}) goodput = {auto['auto_over_better_fixed']:.2f}; meets "
+            f"(>= 90%): {auto['meets']} -> {'pass' if auto['pass'] else 'FAIL'}.", ""]  # fmt: skip
+
+
+def write_report(results: dict[str, Any], out: Path) -> Path:
+    """results.json and results.md."""
+    (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    lines = ["# Simulator accuracy and SLO-aware budget", "", f"Model {results['model']}, engine flags "
+             f"`{' '.join(results['engine_flags'])}`, step-time model {results['steptime']}.", ""]  # fmt: skip
+    if "fit" in results:
+        lines += [f"Step-time fit: {results['fit']}", ""]
+    if "accuracy" in results:
+        lines += accuracy_markdown(results["accuracy"])
+    if "sweep" in results:
+        lines += sweep_markdown(results["sweep"])
+    if "auto" in results:
+        lines += auto_markdown(results["auto"])
+    path = out / "results.md"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------- main
+
+
+def make_tiny_model(out: Path) -> str:
+    """The tests' tiny random Llama, written under ``out`` (smoke runs)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.tiny_models import write_tiny_llama
+
+    return str(write_tiny_llama(out / "tiny-model"))
+
+
+def default_model() -> str:
+    """The engine's default model (a store name)."""
+    from twophase.loader import DEFAULT_MODEL
+
+    return DEFAULT_MODEL
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line."""
+    from twophase.loader import DEFAULT_MODEL
+
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help=f"default {DEFAULT_MODEL} (--smoke: a tiny random model)")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--threads", type=int, default=None, help="engine threads (default: the engine's)")
+    p.add_argument("--steptime", default=None, metavar="FILE", help="reuse a step-time model (skip calibration)")
+    p.add_argument("--only", choices=["accuracy", "sweep", "auto"], default=None)
+    p.add_argument("--capacity", choices=["sim", "measured"], default="sim",
+                   help="capacity from the simulator at an unbounded rate, or a measured saturated run")
+    p.add_argument("--workloads", default=None, help="accuracy: a subset, e.g. decode-heavy,mixed")
+    p.add_argument("--loads", default=None, help="accuracy: fractions of capacity, e.g. 0.3,0.6,0.85")
+    p.add_argument("--seconds", type=float, default=None, help="accuracy: arrival window per point (default 40)")
+    p.add_argument("--runs", type=int, default=None, help="auto test: interleaved runs per configuration")
+    p.add_argument("--auto-itl-ms", type=float, default=None, help="auto test ITL objective (default: from model)")
+    p.add_argument("--auto-ttft-ms", type=float, default=None, help="auto test TTFT objective (default: from model)")
+    p.add_argument("--itl-slack", type=float, default=0.25, help="auto test: allowance on a request's largest gap")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quick", action="store_true", help="fewer, shorter points (loads 30/85%%, 1 auto run)")
+    p.add_argument("--smoke", action="store_true", help="tiny random model, tiny sizes: checks the wiring")
+    p.add_argument("--out", default="runs/bench-sim")
+    return p.parse_args(argv)
+
+
+def stages(only: str | None) -> Iterator[str]:
+    """The stages to run, in order."""
+    for name in ("accuracy", "sweep", "auto"):
+        if only in (None, name):
+            yield name
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    out = Path(args.out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    if args.model is None:
+        args.model = make_tiny_model(out) if args.smoke else default_model()
+    profile = make_profile(args)
+    started = time.monotonic()
+    steptime = calibrate(profile, out, args.steptime)
+    model = load_model(steptime)
+    results: dict[str, Any] = {"model": profile.model, "engine_flags": profile.engine_flags(),
+                               "steptime": steptime.name, "profile": dataclasses.asdict(profile)}  # fmt: skip
+    if model.report:
+        results["fit"] = (f"hold-out mean relative error {100 * model.report.holdout_mean_rel_error:.1f}%, p90 "
+                          f"{100 * model.report.holdout_p90_rel_error:.1f}%, gap {1e3 * model.gap_s:.2f} ms")
+    capacities: dict[str, float] = {}
+    for stage in stages(args.only):
+        stage_start = time.monotonic()
+        if stage == "accuracy":
+            results["accuracy"] = run_accuracy(profile, steptime, out)
+            capacities = dict(results["accuracy"]["capacities"])
+        elif stage == "sweep":
+            results["sweep"] = run_sweep(profile, steptime, out, capacities)
+        else:
+            results["auto"] = run_auto(profile, steptime, out)
+        print(f"{stage}: {time.monotonic() - stage_start:.0f} s", flush=True)
+        write_report(results, out)
+    path = write_report(results, out)
+    print(path.read_text())
+    print(f"total {time.monotonic() - started:.0f} s; saved {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
