@@ -37,3 +37,20 @@ def test_chat_keeps_the_conversation(tiny_llama_dir):
     assert len(summaries) == 2
     first, second = (int(s.split("[prompt ")[1].split(" ")[0]) for s in summaries)
     assert second > first  # the second turn carries the first turn and its reply
+
+
+def test_a_command_imports_only_the_modules_it_needs():
+    """generate/chat/pull register none of the other command modules (the bench client's imports alone cost ~0.3 s
+    of start-up); a module's own commands get it; help and typos get every command."""
+    script = (
+        "import sys\n"
+        "from twophase.cli import build_parser\n"
+        "build_parser(['generate', 'hi'])\n"
+        "assert 'twophase.bench.cli' not in sys.modules and 'httpx' not in sys.modules, 'generate imported bench'\n"
+        "build_parser(['calibrate', '--help'])\n"
+        "assert 'twophase.sim.cli' in sys.modules and 'twophase.server.cli' not in sys.modules\n"
+        "names = build_parser(['--help'])._subparsers._group_actions[0].choices\n"
+        "assert {'serve', 'proxy', 'bench', 'estimate', 'report', 'sim', 'calibrate'} <= set(names), names\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
