@@ -12,11 +12,10 @@ import sys
 from twophase.sampling_params import InvalidRequestError, SamplingParams
 
 # modules that add their own subcommands (each defines register(subparsers)), with the subcommands they add: a
-# command line naming one of them imports only its module (generate, chat and pull import none of them: the bench
-# client alone costs ~0.3 s of start-up)
+# command line naming one of them imports only its module, one naming a command of this file none of them (the
+# bench client alone costs ~0.3 s of `generate`'s start-up)
 COMMAND_MODULES = {"twophase.server.cli": ("serve", "proxy"), "twophase.bench.cli": ("bench",),
                    "twophase.report.cli": ("report", "estimate"), "twophase.sim.cli": ("sim", "calibrate")}  # fmt: skip
-BUILTIN_COMMANDS = ("pull", "generate", "chat")
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
@@ -161,7 +160,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
             p.add_argument("prompt")
             p.add_argument("--raw", action="store_true", help="send the text as is (no chat template)")
         p.set_defaults(func=func)
-    for module_name in _modules_for(argv):
+    for module_name in _modules_for(argv, built_in=set(sub.choices)):
         try:
             module = importlib.import_module(module_name)
         except ModuleNotFoundError as exc:
@@ -172,10 +171,10 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     return parser
 
 
-def _modules_for(argv: list[str] | None) -> list[str]:
-    """The command modules whose subcommands the command line ``argv`` may need."""
+def _modules_for(argv: list[str] | None, built_in: set[str]) -> list[str]:
+    """The command modules whose subcommands the command line ``argv`` may need (none for a ``built_in`` one)."""
     command = next((arg for arg in (argv or []) if not arg.startswith("-")), None)
-    if command in BUILTIN_COMMANDS:
+    if command in built_in:
         return []
     owners = [name for name, commands in COMMAND_MODULES.items() if command in commands]
     return owners or list(COMMAND_MODULES)

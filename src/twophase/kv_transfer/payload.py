@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import abc
 import base64
+import math
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ class BytesCodec(PayloadCodec):
 
     def decode(self, header: dict[str, Any], frame: bytes, shape: Shape, dtype: torch.dtype) -> torch.Tensor:
         """See PayloadCodec.decode (a CPU tensor)."""
-        expected = _numel(shape) * dtype.itemsize
+        expected = math.prod(shape) * dtype.itemsize
         if len(frame) != expected:
             raise KVTransferError(f"received {len(frame)} bytes for a {list(shape)} payload, expected {expected}",
                                   "size_mismatch")
@@ -154,25 +155,10 @@ def _check_layout(size: list[int], stride: list[int], offset: int, got: torch.dt
                   shape: Shape, dtype: torch.dtype) -> None:
     if got != dtype or tuple(size) != tuple(shape):
         raise KVTransferError(f"CUDA IPC payload is {got} {size}, expected {dtype} {list(shape)}", "size_mismatch")
-    if stride != _contiguous_strides(shape) or offset < 0:
+    if tuple(stride) != torch.empty(shape, device="meta").stride() or offset < 0:
         raise KVTransferError("CUDA IPC payload is not a contiguous tensor", "size_mismatch")
-    if (offset + _numel(shape)) * dtype.itemsize > storage_size:
+    if (offset + math.prod(shape)) * dtype.itemsize > storage_size:
         raise KVTransferError("CUDA IPC payload overruns its storage", "size_mismatch")
-
-
-def _contiguous_strides(shape: Shape) -> list[int]:
-    strides, step = [], 1
-    for dim in reversed(shape):
-        strides.append(step)
-        step *= dim
-    return strides[::-1]
-
-
-def _numel(shape: Shape) -> int:
-    total = 1
-    for dim in shape:
-        total *= dim
-    return total
 
 
 def _b64(value: bytes | None) -> str | None:

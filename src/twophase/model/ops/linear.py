@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from twophase.model.layers import DirectCallModule
+from twophase.model.ops import quant
 
 QUANTIZATIONS = ("none", "int8", "q8_0", "q4_1", "gguf")  # gguf: each weight in the block format it is stored in
 BLOCK_FORMATS = ("q8_0", "q4_1")  # GGUF blocks of 32: executed with int8 activation blocks
@@ -92,11 +93,7 @@ class QuantizedLinear(DirectCallModule):
 
     def rounded_input(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32
         """``x`` as this layer's kernel sees it: rounded to int8 blocks for the block formats, else unchanged."""
-        if self.fmt not in BLOCK_FORMATS:
-            return x
-        from twophase.model.ops.quant import fake_quantize_activations
-
-        return fake_quantize_activations(x)
+        return quant.fake_quantize_activations(x) if self.fmt in BLOCK_FORMATS else x
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -109,8 +106,6 @@ def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
     """``weight`` [out, in] in format ``fmt`` (int8, q8_0, q4_1) as the tensors its kernel takes."""
-    from twophase.model.ops import quant
-
     if fmt == "int8":
         return quantize_int8(weight)
     if weight.shape[1] % quant.QK:
@@ -120,8 +115,6 @@ def quantize(weight: torch.Tensor, fmt: str) -> tuple[torch.Tensor, ...]:
 
 def dequantize(packed: tuple[torch.Tensor, ...], fmt: str) -> torch.Tensor:
     """The float32 weight [out, in] that ``quantize`` packed (the plain-torch reference of every kernel)."""
-    from twophase.model.ops import quant
-
     if fmt == "int8":
         q, scale = packed
         return q.float() * scale[:, None]

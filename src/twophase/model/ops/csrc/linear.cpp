@@ -81,11 +81,20 @@ inline void dense_tile(const float* const* x, const typename W::T* const* w, int
 // Q4_1: qs uint8 [N, K/2] (per block 16 bytes: low nibbles = elements 0..15, high = 16..31), d, m float
 //       [N, K/32]; w = d * q + m.  The min term is folded in via per-block sums of x.
 // Both run with x rounded to int8 blocks (XQ8 below), as llama.cpp runs them.
+// Each format: one() for the scalar path; load() its block's 32 weights as bytes and dot() their products
+// with 32 int8 activations, summed to 8 int32, for the AVX2 path.
 struct Q8_0 {
   using T = int8_t;
   static constexpr bool has_min = false;
   static constexpr int64_t bytes_per_block = QK;
   static float one(const T* blk, int j) { return static_cast<float>(blk[j]); }
+#ifdef __AVX2__
+  static __m256i load(const T* blk) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)); }
+  static __m256i dot(__m256i w, __m256i a) {  // maddubs wants unsigned x signed: move w's sign onto a
+    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
+    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
+  }
+#endif
 };
 struct Q4_1 {
   using T = uint8_t;
@@ -94,6 +103,17 @@ struct Q4_1 {
   static float one(const T* blk, int j) {
     return static_cast<float>(j < 16 ? (blk[j] & 0xF) : (blk[j - 16] >> 4));
   }
+#ifdef __AVX2__
+  static __m256i load(const T* blk) {
+    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
+    const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
+    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
+    return _mm256_set_m128i(hi, lo);  // elements 0..15 then 16..31
+  }
+  static __m256i dot(__m256i w, __m256i a) {  // w in 0..15: u8 x s8 pairs fit int16
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
+  }
+#endif
 };
 
 // ---- int8 activations (llama.cpp's Q8_1 idea) --------------------------------------------------------------
@@ -126,31 +146,6 @@ XQ8 quantize_x_q8(const float* x, int64_t M, int64_t K) {
   return r;
 }
 
-#ifdef __AVX2__
-// 32 weights of a block as bytes, and their products with 32 int8 activations summed to 8 int32.
-struct Q8_0x8 {
-  static __m256i load(const int8_t* blk) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(blk)); }
-  static __m256i dot(__m256i w, __m256i a) {  // maddubs wants unsigned x signed: move w's sign onto a
-    __m256i p = _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(a, w));
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-  }
-};
-struct Q4_1x8 {
-  static __m256i load(const uint8_t* blk) {
-    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(blk));
-    const __m128i lo = _mm_and_si128(v, _mm_set1_epi8(0x0F));
-    const __m128i hi = _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F));
-    return _mm256_set_m128i(hi, lo);  // elements 0..15 then 16..31
-  }
-  static __m256i dot(__m256i w, __m256i a) {  // w in 0..15: u8 x s8 pairs fit int16
-    return _mm256_madd_epi16(_mm256_maddubs_epi16(w, a), _mm256_set1_epi16(1));
-  }
-};
-template <class Q> struct Int8Ops;
-template <> struct Int8Ops<Q8_0> : Q8_0x8 {};
-template <> struct Int8Ops<Q4_1> : Q4_1x8 {};
-#endif
-
 // out[m][n] = sum_b d[n][b] * xd[m][b] * dot_b(xq[m], q[n]) (+ mn[n][b] * xs[m][b]) for an MR x NR tile.
 template <class Q, int MR, int NR>
 inline void q8_tile(const int8_t* const* xq, const float* const* xd, const float* const* xs,
@@ -162,17 +157,16 @@ inline void q8_tile(const int8_t* const* xq, const float* const* xd, const float
       for (int m = 0; m < MR; ++m)
         for (int n = 0; n < NR; ++n) minacc[m][n] += mn[n][b] * xs[m][b];
 #ifdef __AVX2__
-  using Ops = Int8Ops<Q>;
   __m256 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
   for (int64_t b = 0; b < nb; ++b) {
     __m256i wv[NR];
-    for (int n = 0; n < NR; ++n) wv[n] = Ops::load(q[n] + b * Q::bytes_per_block);
+    for (int n = 0; n < NR; ++n) wv[n] = Q::load(q[n] + b * Q::bytes_per_block);
     for (int m = 0; m < MR; ++m) {
       const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + b * QK));
       for (int n = 0; n < NR; ++n) {
-        const __m256 p = _mm256_cvtepi32_ps(Ops::dot(wv[n], av));
+        const __m256 p = _mm256_cvtepi32_ps(Q::dot(wv[n], av));
         acc[m][n] = _mm256_fmadd_ps(p, _mm256_set1_ps(d[n][b] * xd[m][b]), acc[m][n]);
       }
     }
