@@ -2,8 +2,14 @@
 
 Stages (each saves its JSON under ``--out``; ``results.md`` sums them up):
 
-1. **calibrate** — ``twophase calibrate`` over a grid of step mixes (or ``--steptime FILE``): the step-time model
-   never sees the runs it predicts.
+1. **calibrate** — by default a served calibration: one ``twophase serve`` driven by ``bench serve`` as the
+   accuracy points are (a saturated burst of the mixed workload, then mixed at 50% and 90%, decode-heavy at 70%
+   and prefill-heavy at 60% of their simulated capacities, seeds no accuracy point uses); its ``/v1/records``
+   after each run and bench serve's results go to ``twophase calibrate --from-records ... --served ...``, so step
+   times, the busy inter-step gap and the per-request serving overhead (``admission_s``: client TTFT minus the
+   engine's) are those of the engine as served, client beside it. ``--calibration grid``: ``twophase calibrate``
+   over a grid of step mixes on the engine alone; ``--steptime FILE`` reuses a model. Either way the step-time
+   model never sees the runs it predicts.
 2. **accuracy** — four workloads (decode-heavy 64 in / 256 out, prefill-heavy 1024 / 16, mixed 256 / 128 with
    lengths ±50%, shared-prefix: bench serve's prefix-repetition, 4 prefixes of 512 + 64-token suffixes / 64 out).
    Capacity (req/s) of each is the *simulated* request throughput with every request sent at once
@@ -114,6 +120,19 @@ class AutoTest:
 
 
 @dataclass
+class ServedCalibration:
+    """The served calibration's traffic: a saturated burst of the first run's workload (a provisional model, and
+    from it the simulated capacities), then each (workload, fraction of its capacity) for ``seconds`` of Poisson
+    arrivals. Seeds differ from every accuracy point's, so no predicted request list is calibrated on."""
+
+    burst_prompts: int = 16
+    seconds: float = 30.0
+    runs: tuple[tuple[str, float], ...] = (("mixed", 0.5), ("mixed", 0.9), ("decode-heavy", 0.7),
+                                           ("prefill-heavy", 0.6))  # fmt: skip
+    seed_offset: int = 7000
+
+
+@dataclass
 class Profile:
     """Everything a run needs: the engine, the run lengths, the grid, the workloads."""
 
@@ -131,6 +150,8 @@ class Profile:
     capacity: str = "sim"
     calibrate: list[str] = field(default_factory=lambda: [
         "--budgets", "128,2048", "--concurrency", "1,8,32", "--prompt-lens", "32,1024", "--output-len", "32"])
+    calibration: str = "served"  # "served": a loaded server's records + bench serve's results; "grid": the engine
+    served: ServedCalibration = field(default_factory=lambda: ServedCalibration())
     sweep: list[str] = field(default_factory=lambda: ["budget=128,2048", "max-num-seqs=8,32"])
     sweep_workload: str = "mixed"
     sweep_load: float = 0.85
@@ -177,7 +198,7 @@ def default_workloads(scale: float = 1.0) -> list[Workload]:
 def make_profile(args: argparse.Namespace) -> Profile:
     """The profile the flags ask for (full, quick or smoke)."""
     profile = Profile(model=args.model, dtype=args.dtype, threads=args.threads, capacity=args.capacity,
-                      seed=args.seed, workloads=default_workloads())  # fmt: skip
+                      seed=args.seed, workloads=default_workloads(), calibration=args.calibration)  # fmt: skip
     if args.quick:
         profile.seconds, profile.loads, profile.capacity_prompts = 20.0, (0.3, 0.85), 64
         profile.calibrate = ["--budgets", "256,2048", "--concurrency", "1,16", "--prompt-lens", "32,1024",
@@ -205,6 +226,7 @@ def smoke_profile(profile: Profile) -> None:
     profile.seconds, profile.min_prompts, profile.loads, profile.capacity_prompts = 1.0, 4, (0.6,), 16
     profile.calibrate = ["--budgets", "32,128", "--concurrency", "1,8", "--prompt-lens", "16,96", "--output-len", "16"]
     profile.sweep = ["budget=32,128"]
+    profile.served = ServedCalibration(burst_prompts=8, seconds=2.0, runs=(("mixed", 0.6), ("decode-heavy", 0.6)))
     profile.workloads = default_workloads(scale=1 / 8)
     profile.auto = AutoTest(stream_in=16, stream_out=24, long_in=160, long_out=4, rate=20.0, num_prompts=8, runs=1,
                             budgets=(32, 128))  # fmt: skip
@@ -422,15 +444,75 @@ def pct(error: float) -> str:
 
 
 def calibrate(profile: Profile, out: Path, given: str | None) -> Path:
-    """The step-time model: ``given`` when set, else ``twophase calibrate`` over the profile's grid."""
+    """The step-time model: ``given`` when set, else a served calibration or ``twophase calibrate``'s grid."""
     if given:
         return Path(given)
+    if profile.calibration == "served":
+        return calibrate_served(profile, out)
     path = out / "steptime.json"
     start = time.monotonic()
     print(f"calibrating ({' '.join(profile.calibrate)}) ...", flush=True)
     run_cli(["calibrate", "--model", profile.model, *profile.engine_flags(), *profile.calibrate, "-o", str(path)],
             out / "logs" / "calibrate.log", in_process=False)  # fmt: skip
     print(f"calibrated in {time.monotonic() - start:.0f} s: {path}", flush=True)
+    return path
+
+
+def calibrate_served(profile: Profile, out: Path) -> Path:
+    """One server, driven by bench serve as the accuracy points are (a burst, then the profile's loads); its
+    `/v1/records` after each run and bench serve's results feed ``twophase calibrate --from-records --served``."""
+    cal = profile.served
+    cal_out = out / "calibration"
+    cal_out.mkdir(parents=True, exist_ok=True)
+    workloads = {w.name: w for w in profile.workloads}
+    start = time.monotonic()
+    print(f"calibrating on a served run ({cal.burst_prompts}-request burst, then {cal.runs}) ...", flush=True)
+    server = start_server(profile, out / "logs" / "serve-calibration.log", profile.engine_flags())
+    try:
+        last_step = records_since(server.url, -1)[1]
+        burst = workloads[cal.runs[0][0]]
+        n = cal.burst_prompts - cal.burst_prompts % burst.prompt_multiple
+        runs = [(f"burst-{burst.name}", [*burst.flags, *traffic_flags(n, math.inf, profile.seed + cal.seed_offset)])]
+        last_step = served_run(profile, server, *runs[0], cal_out, last_step)
+        provisional = fit_served(profile, cal_out, [name for name, _ in runs], cal_out / "provisional.json")
+        for index, (name, load) in enumerate(cal.runs):
+            workload = workloads[name]
+            rate = round(load * capacity(profile, provisional, workload, cal_out, None), 4)
+            n = max(profile.min_prompts, round(rate * cal.seconds))
+            n = workload.prompt_multiple * math.ceil(n / workload.prompt_multiple)
+            flags = [*workload.flags, *traffic_flags(n, rate, profile.seed + cal.seed_offset + 1 + index)]
+            runs.append((f"{name}-{round(100 * load)}pct", flags))
+            last_step = served_run(profile, server, *runs[-1], cal_out, last_step)
+    finally:
+        server.stop()
+    path = fit_served(profile, cal_out, [name for name, _ in runs], out / "steptime.json")
+    print(f"calibrated in {time.monotonic() - start:.0f} s: {path}", flush=True)
+    return path
+
+
+def served_run(profile: Profile, server: Proc, name: str, flags: list[str], out: Path, last_step: int) -> int:
+    """One bench serve run of the calibration; its result and the server's new records saved; the last step id."""
+    run_cli(bench_serve_argv(server.url, profile, flags, {}, out / f"{name}-result.json"),
+            out.parent / "logs" / f"calibration-{name}.log")  # fmt: skip
+    dump, last = records_since(server.url, last_step)
+    (out / f"{name}-records.json").write_text(json.dumps(dump))
+    print(f"  calibration run {name}: {len(dump['steps'])} steps", flush=True)
+    return last
+
+
+def records_since(url: str, since_step: int) -> tuple[dict[str, Any], int]:
+    """The server's `/v1/records` steps after ``since_step`` (and its finished requests); the last step id."""
+    dump = httpx.get(f"{url}/v1/records", params={"since_step": since_step}, timeout=60).json()
+    steps = dump.get("steps", [])
+    return dump, (steps[-1]["step_id"] if steps else since_step)
+
+
+def fit_served(profile: Profile, cal_out: Path, names: list[str], path: Path) -> Path:
+    """``twophase calibrate --from-records ... --served ...`` over the named runs."""
+    records = [str(cal_out / f"{name}-records.json") for name in names]
+    results = [str(cal_out / f"{name}-result.json") for name in names]
+    run_cli(["calibrate", "--model", profile.model, "--from-records", *records, "--served", *results, "-o", str(path)],
+            cal_out.parent / "logs" / f"calibrate-{path.stem}.log")  # fmt: skip
     return path
 
 
@@ -790,6 +872,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default="float32")
     p.add_argument("--threads", type=int, default=None, help="engine threads (default: the engine's)")
     p.add_argument("--steptime", default=None, metavar="FILE", help="reuse a step-time model (skip calibration)")
+    p.add_argument("--calibration", choices=["served", "grid"], default="served",
+                   help="fit on a loaded server's records and bench serve's results (default), or on the engine "
+                   "alone over a grid of step mixes")  # fmt: skip
     p.add_argument("--only", choices=["accuracy", "sweep", "auto"], default=None)
     p.add_argument("--capacity", choices=["sim", "measured"], default="sim",
                    help="capacity from the simulator at an unbounded rate, or a measured saturated run")
@@ -828,7 +913,8 @@ def main(argv: list[str] | None = None) -> int:
                                "steptime": steptime.name, "profile": dataclasses.asdict(profile)}  # fmt: skip
     if model.report:
         results["fit"] = (f"hold-out mean relative error {100 * model.report.holdout_mean_rel_error:.1f}%, p90 "
-                          f"{100 * model.report.holdout_p90_rel_error:.1f}%, gap {1e3 * model.gap_s:.2f} ms")
+                          f"{100 * model.report.holdout_p90_rel_error:.1f}%, gap {1e3 * model.gap_s:.2f} ms, "
+                          f"admission {1e3 * model.admission_s:.1f} ms ({profile.calibration} calibration)")
     capacities: dict[str, float] = {}
     for stage in stages(args.only):
         stage_start = time.monotonic()

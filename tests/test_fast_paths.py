@@ -19,6 +19,7 @@ from prerequisites import in_ci
 from test_parity_hf import PROMPTS, packed_logits
 from twophase import LLM, SamplingParams
 from twophase.model.ops.extension import load_kernels
+from twophase.model.ops.stack import MAX_STACK_ROWS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -58,6 +59,62 @@ def test_quantized_kernels_match_their_dequantised_weights(tiny_qwen2_dir, quant
     for ours, theirs in zip(packed_logits(fast, PROMPTS), packed_logits(plain, PROMPTS)):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     assert [o.token_ids for o in fast.generate(PROMPTS, GREEDY)] == [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("quantization", ["none", "int8", "q8_0", "q4_1"])
+def test_decoder_stack_is_bit_identical_to_the_python_layer_loop(fixture, quantization, request):
+    """The C++ decoder stack calls the Python loop's kernels in its order: logits and greedy decode equal exactly
+    (qwen2 brings the QKV bias), and the loop still runs where the stack does not apply (more rows than it takes)."""
+    path = request.getfixturevalue(fixture)
+    stacked = make_llm(path, dtype="float32", quantization=quantization)
+    looped = make_llm(path, dtype="float32", quantization=quantization)
+    looped.engine.model_runner.model.stack = False  # never built: the Python loop over the same kernels
+    for ours, theirs in zip(packed_logits(stacked, PROMPTS), packed_logits(looped, PROMPTS)):
+        assert torch.equal(ours, theirs)
+    assert stacked.engine.model_runner.model.stack  # it ran
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    ours, theirs = stacked.generate(PROMPTS, params), looped.generate(PROMPTS, params)
+    assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
+    assert [o.logprobs for o in ours] == [o.logprobs for o in theirs]
+
+
+def test_decoder_stack_stands_aside_where_an_op_has_no_kernel(tiny_llama_dir):
+    """The torch attention reference, float64 and more rows than the kernels take all run the Python loop."""
+    reference = make_llm(tiny_llama_dir, dtype="float32", attention_backend="torch")
+    packed_logits(reference, PROMPTS)
+    assert reference.engine.model_runner.model.stack is False
+    wide = make_llm(tiny_llama_dir, dtype="float32")
+    long_prompt = [[(7 * i) % 50 + 3 for i in range(MAX_STACK_ROWS + 5)]]
+    wide.engine.model_runner.model.stack = None
+    logits = packed_logits(wide, long_prompt)[0]  # [tokens, vocab]
+    assert wide.engine.model_runner.model.stack is None and logits.shape[0] == MAX_STACK_ROWS + 5
+
+
+@pytest.mark.parametrize("quantization", ["none", "q4_1"])
+def test_deterministic_logprobs_do_not_depend_on_the_batch(tiny_llama_dir, quantization):
+    """``deterministic``: each prompt alone, all together under a 7-token budget (chunked prefill beside decode rows),
+    and all together in one step of ~180 rows (beyond the 128 rows where the default mode switches to a GEMM) give
+    the same tokens and the same logprobs, bit for bit."""
+    prompts = PROMPTS + [[(11 * i) % 390 + 3 for i in range(150)]]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+
+    def make(budget: int) -> LLM:
+        return LLM(str(tiny_llama_dir), progress=False, block_size=4, num_blocks=256, dtype="float32",
+                   quantization=quantization, deterministic=True, enable_prefix_caching=False,
+                   max_num_batched_tokens=budget)  # fmt: skip
+
+    single = make(256)
+    alone = [single.generate([p], params)[0] for p in prompts]
+    for budget in (7, 256):
+        together = make(budget).generate(prompts, params)
+        assert [o.token_ids for o in together] == [o.token_ids for o in alone]
+        assert [o.logprobs for o in together] == [o.logprobs for o in alone], f"budget {budget}"
+
+
+def test_deterministic_refuses_what_is_not_batch_invariant(tiny_llama_dir):
+    with pytest.raises(ValueError, match="--deterministic needs the kernel attention backend"):
+        make_llm(tiny_llama_dir, dtype="float32", deterministic=True, attention_backend="torch")
 
 
 def test_quantized_weights_change_the_logits_only_a_little(tiny_llama_dir):

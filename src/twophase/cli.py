@@ -35,6 +35,12 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "kernel"])
     parser.add_argument("--linear-backend", default="auto", choices=["auto", "torch"], help="torch: F.linear reference")
+    parser.add_argument(
+        "--deterministic", action="store_true",
+        help="batch-invariant execution: every row of every step through the C++ kernels, whose per-row arithmetic does "
+        "not depend on the batch, so batching and chunking never change a request's logits or tokens (CPU; prefill "
+        "of long prompts is slower than with the GEMM it replaces)",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--max-model-len", type=int, default=2048)
@@ -108,7 +114,7 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, cache=cache, scheduler=scheduler,
         quantization=args.quantization, attention_backend=args.attention_backend,
-        linear_backend=args.linear_backend, num_threads=args.threads, parallel=parallel_config_from_args(args),
+        linear_backend=args.linear_backend, deterministic=args.deterministic, num_threads=args.threads, parallel=parallel_config_from_args(args),
         kv_transfer=kv_transfer_config(args),
         speculative_config=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
     )  # fmt: skip

@@ -79,7 +79,7 @@ def start_model_runner(config: EngineConfig, source, progress: bool = True) -> M
 def runner_options(config: EngineConfig) -> RunnerOptions:
     """How the runners of ``config`` execute (weight format, backends, batch size)."""
     return RunnerOptions(config.quantization, config.attention_backend, config.linear_backend,
-                         config.scheduler.max_num_seqs)
+                         config.scheduler.max_num_seqs, config.deterministic)
 
 
 class LLMEngine:

@@ -40,6 +40,7 @@ class RunnerOptions:
     attention_backend: str = "auto"
     linear_backend: str = "auto"
     max_num_seqs: int = 64
+    deterministic: bool = False  # batch-invariant: every row through the kernels (see model/ops/linear.py)
 
 
 @dataclass
@@ -87,7 +88,7 @@ class ModelRunner:
         self.model = build_model(self.local_config, max_model_len, dtype, device, self.backend)
         self.model.load_weights(weights)
         self.model.eval()
-        self._pack(options.quantization, options.linear_backend, native_weights)
+        self._pack(options, native_weights)
         self.num_blocks = self._num_blocks(cache_config, max_model_len, options.max_num_seqs)
         if tp is not None:
             from twophase.distributed.layers import parallelize
@@ -98,7 +99,8 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, device=device, seed=seed)
         self.requests: dict[str, _RequestState] = {}
 
-    def _pack(self, quantization: str, linear_backend: str, native_weights: dict | None) -> None:
+    def _pack(self, options: RunnerOptions, native_weights: dict | None) -> None:
+        quantization, linear_backend = options.quantization, options.linear_backend
         if linear_backend not in ("auto", "torch"):
             raise ValueError(f"unknown linear backend {linear_backend!r}; choose auto or torch")
         kernels = None
@@ -106,9 +108,23 @@ class ModelRunner:
             from twophase.model.ops.extension import load_kernels
 
             kernels = load_kernels()
+        if options.deterministic:
+            self._check_batch_invariant(kernels)
         self.quantization = quantization
         self.linear_kernels = kernels is not None
-        self.model.pack(quantization, kernels, native_weights)
+        self.model.pack(quantization, kernels, native_weights, batch_invariant=options.deterministic)
+
+    def _check_batch_invariant(self, kernels) -> None:
+        """``deterministic`` runs every op through a kernel whose rows do not see each other; refuse otherwise."""
+        missing = []
+        if kernels is None:
+            missing.append("the C++ kernels (CPU, --linear-backend auto, built)")
+        if self.backend.name != "kernel":
+            missing.append("the kernel attention backend")
+        if self.dtype not in (torch.float32, torch.bfloat16):
+            missing.append(f"float32 or bfloat16 (not {self.dtype})")
+        if missing:
+            raise ValueError("--deterministic needs " + ", ".join(missing))
 
     def _num_blocks(self, cache_config: CacheConfig, max_model_len: int, max_num_seqs: int) -> int:
         per_block = kv_bytes_per_block(self.local_config, self.block_size, self.dtype)

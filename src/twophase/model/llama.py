@@ -5,7 +5,8 @@ One forward for every mix of prefill chunks and decode tokens: shapes are [num_t
 
 from __future__ import annotations
 
-from typing import Iterable
+import math
+from typing import Any, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -15,6 +16,7 @@ from twophase.config import ModelConfig
 from twophase.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from twophase.model.layers import DirectCallModule, RMSNorm, RotaryEmbedding
 from twophase.model.ops.fused import LayerOps, Rope
+from twophase.model.ops.stack import MAX_STACK_ROWS, build_decoder_stack
 
 
 class LlamaAttention(DirectCallModule):
@@ -91,6 +93,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.logits_head: nn.Module | None = None  # a packed head (``pack``); None: plain matmul
         self.ops = LayerOps()  # eager torch until ``pack`` hands over the kernels
+        self.stack: Any = None  # the C++ decoder stack (``ops/stack.py``): None until built, False if it cannot be
+        self.stack_caches: list | None = None  # the KV cache list the stack holds
+        self.stack_max_rows: float = MAX_STACK_ROWS  # beyond: the Python loop (projections there use F.linear)
 
     def forward(
         self,
@@ -103,6 +108,9 @@ class LlamaForCausalLM(nn.Module):
         self.backend.prepare(meta)  # backend index tensors, once for all layers
         residual = self.embed_tokens(input_ids)  # [T, hidden]
         ops = self.ops.bind(residual)  # kernels or eager torch, decided once for all layers
+        if self._stack_applies(residual, ops, kv_caches):  # every layer in one C++ call, the same kernels
+            return self.stack.forward(residual, positions.to(torch.long).contiguous(), meta.slot_mapping,
+                                      meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.block_size)
         rope = self._rope(positions, residual, ops)  # once for all layers
         first = self.layers[0].input_layernorm
         h = ops.rms_norm(residual, first.weight, first.eps)  # [T, hidden]
@@ -110,6 +118,22 @@ class LlamaForCausalLM(nn.Module):
         for layer, next_norm, kv_cache in zip(self.layers, norms, kv_caches):
             h = layer(h, residual, next_norm, rope, kv_cache, meta, ops)
         return h
+
+    def _stack_applies(self, residual: torch.Tensor, ops: LayerOps, kv_caches: list) -> bool:
+        """Whether this forward runs in the C++ decoder stack (built on first use, after any re-wrapping of the
+        layers, e.g. tensor parallelism); points the stack at ``kv_caches``."""
+        if self.stack is False or residual.dtype != torch.float32 or residual.shape[0] > self.stack_max_rows:
+            return False
+        if not ops.uses_kernels(residual):
+            return False
+        if self.stack is None:
+            self.stack, self.stack_caches = build_decoder_stack(self, self.ops.kernels) or False, None
+            if self.stack is False:
+                return False
+        if kv_caches is not self.stack_caches:
+            self.stack.set_kv_caches([k for k, _ in kv_caches], [v for _, v in kv_caches])
+            self.stack_caches = kv_caches
+        return True
 
     def _rope(self, positions: torch.Tensor, like: torch.Tensor, ops: LayerOps) -> Rope:
         positions = positions.to(torch.long).contiguous()
@@ -125,19 +149,24 @@ class LlamaForCausalLM(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return hidden @ weight.t()
 
-    def pack(self, quantization: str, kernels, native: dict | None = None) -> None:
+    def pack(self, quantization: str, kernels, native: dict | None = None, batch_invariant: bool = False) -> None:
         """After loading: put every projection and the LM head behind the fastest linear layer for the
         chosen weight format (see ``model/ops/linear.py``). ``native``: HF name → (format, tensors) of weights
-        as stored in a GGUF file, used instead of requantizing when the format matches."""
+        as stored in a GGUF file, used instead of requantizing when the format matches. ``batch_invariant``: the
+        kernels at every batch size (no GEMM for large ones), so no row's result depends on the others."""
         from twophase.model.ops.linear import make_linear, pack_linear_layers
 
         native = native or {}
         head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
         head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.logits_head = make_linear(head_weight.data, None, quantization, kernels, native.get(head_name))
+        self.logits_head = make_linear(head_weight.data, None, quantization, kernels, native.get(head_name),
+                                       batch_invariant)
         self.lm_head = None
         self.ops = LayerOps(kernels)
-        pack_linear_layers(self.layers, quantization, kernels, lambda name: _fused_native(native, f"layers.{name}"))
+        self.stack, self.stack_caches = None, None  # rebuilt over the packed layers on first use
+        self.stack_max_rows = math.inf if batch_invariant else MAX_STACK_ROWS
+        pack_linear_layers(self.layers, quantization, kernels, lambda name: _fused_native(native, f"layers.{name}"),
+                           batch_invariant)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises on missing or unexpected names."""

@@ -1,5 +1,6 @@
-"""`twophase calibrate`: time real engine steps over a grid of mixes (or read `/v1/records` dumps) and fit the
-step-time model the simulator and `--step-budget auto` use."""
+"""`twophase calibrate`: time real engine steps over a grid of mixes (or read a served run: `/v1/records` dumps
+and, optionally, bench serve's results of the same runs) and fit the step-time model the simulator and
+`--step-budget auto` use."""
 
 from __future__ import annotations
 
@@ -68,6 +69,43 @@ def records_from_dumps(paths: Iterable[str]) -> tuple[list[StepFeatures], list[f
     return features, durations, float(np.median(gaps)) if gaps else 0.0
 
 
+def admission_overhead(client_ttfts: Iterable[float], engine_ttfts: Iterable[float]) -> float:
+    """The serving overhead outside the engine: the median of client TTFT minus the engine's own TTFT (arrival →
+    first token) over paired requests (never negative)."""
+    overheads = [c - e for c, e in zip(client_ttfts, engine_ttfts)]
+    if not overheads:
+        raise ValueError("no request pairs a client TTFT with an engine TTFT")
+    return max(0.0, float(np.median(overheads)))
+
+
+def served_ttft_pairs(paths: Iterable[str]) -> tuple[list[float], list[float]]:
+    """(client TTFT, engine TTFT) in seconds of every successful request in bench serve result JSONs saved with
+    ``--save-detailed`` against a twophase server (its per-request ``timings`` carry the engine's TTFT)."""
+    client, engine = [], []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        if "ttfts" not in data or "timings" not in data:
+            raise ValueError(f"{path}: not a bench serve result saved with --save-detailed (no ttfts / timings)")
+        for ttft, timings, error in zip(data["ttfts"], data["timings"], data.get("errors", [])):
+            if not error and ttft and timings and timings.get("ttft_ms") is not None:
+                client.append(float(ttft))
+                engine.append(float(timings["ttft_ms"]) / 1000)
+    if not client:
+        raise ValueError(f"no request in {list(paths)} carries server timings (a twophase server sends them)")
+    return client, engine
+
+
+def fit_served(record_paths: list[str], result_paths: list[str]) -> StepTimeModel:
+    """Step time and the busy gap from a loaded server's `/v1/records` dumps, the admission overhead from the bench
+    serve results of the same runs: a model of the engine as served, client included."""
+    features, durations, gap = records_from_dumps(record_paths)
+    model = fit_step_time_model(features, durations, gap)
+    client, engine = served_ttft_pairs(result_paths)
+    model.admission_s = admission_overhead(client, engine)
+    model.meta.update(served_requests=len(client), served_results=[Path(p).name for p in result_paths])
+    return model
+
+
 def fit_from_records(records: list[StepRecord], meta: dict[str, Any]) -> StepTimeModel:
     """Fit on engine StepRecords; the gap is the median busy gap between them."""
     gap = busy_gap([r.start_time for r in records], [r.duration for r in records], [r.step_id for r in records])
@@ -87,6 +125,7 @@ def describe_model(model: StepTimeModel) -> str:
         scale = {"ms": 1e3, "us": 1e6, "ns": 1e9}[unit]
         lines.append("{:<40} {:<10.4f}".format(f"{name} ({unit}):", value * scale))
     lines.append("{:<40} {:<10.3f}".format("inter-step gap (ms):", model.gap_s * 1e3))
+    lines.append("{:<40} {:<10.3f}".format("admission overhead (ms):", model.admission_s * 1e3))
     if model.report:
         r = model.report
         lines += ["{:<40} {:<10}".format("steps fitted / held out:", f"{r.num_steps} / {r.num_holdout}"),

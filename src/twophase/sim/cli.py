@@ -34,6 +34,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--tokenizer", default=None, help="tokenizer for the prompts (default: the model's)")
     sim.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: sized as the engine does)")
     sim.add_argument("--gap-ms", type=float, default=None, help="inter-step gap (default: the calibrated one)")
+    sim.add_argument("--admission-ms", type=float, default=None,
+                     help="serving overhead per request outside the engine, added before its arrival there "
+                     "(default: the calibrated one)")  # fmt: skip
     sim.add_argument("--no-noise", action="store_true", help="predicted step times without calibration residuals")
     sim.add_argument("--sweep", nargs="+", default=None, metavar="KEY=V1,V2",
                      help="grid over budget=, max-num-seqs=, rate= or concurrency=; reports the configuration with "
@@ -47,6 +50,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     cal.add_argument("--output-len", type=int, default=16, help="tokens generated per request")
     cal.add_argument("--from-records", nargs="+", default=None, metavar="JSON",
                      help="fit on /v1/records dumps instead of running the grid")
+    cal.add_argument("--served", nargs="+", default=None, metavar="JSON",
+                     help="with --from-records: bench serve results (--save-detailed) of the runs the dumps cover; "
+                     "fits the per-request serving overhead (client TTFT minus the engine's)")  # fmt: skip
     cal.add_argument("--output", "-o", default=None, help="model file (default: steptime-<model>.json)")
     cal.set_defaults(func=cmd_calibrate)
 
@@ -63,11 +69,17 @@ def _ints(text: str, flag: str) -> list[int]:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Run the grid (or read dumps), fit, print the model, save it."""
-    from twophase.sim.calibrate import describe_model, engine_meta, fit_from_records, grid_records, records_from_dumps
+    from twophase.sim.calibrate import describe_model, engine_meta, fit_from_records, fit_served, grid_records
+    from twophase.sim.calibrate import records_from_dumps
     from twophase.steptime.model import fit_step_time_model
 
     output = Path(args.output or f"steptime-{Path(str(args.model)).stem}.json")
-    if args.from_records:
+    if args.served and not args.from_records:
+        raise ValueError("--served takes the bench serve results of the runs --from-records dumps; give both")
+    if args.served:
+        model = fit_served(args.from_records, args.served)
+        model.meta.update(model=str(args.model), source=[Path(p).name for p in args.from_records])
+    elif args.from_records:
         features, durations, gap = records_from_dumps(args.from_records)
         model = fit_step_time_model(features, durations, gap)
         model.meta.update(model=str(args.model), source=[Path(p).name for p in args.from_records])
@@ -99,6 +111,7 @@ class SimSetup:
     model: StepTimeModel
     gap_s: float
     noise: bool
+    admission_s: float = 0.0
 
 
 def sim_setup(args: argparse.Namespace) -> SimSetup:
@@ -112,8 +125,11 @@ def sim_setup(args: argparse.Namespace) -> SimSetup:
     max_len, num_blocks = _engine_shape(config, args.num_kv_blocks)
     scheduler = dataclasses.replace(config.scheduler, max_model_len=max_len)
     gap = model.gap_s if args.gap_ms is None else args.gap_ms / 1000
+    admission = model.admission_s if args.admission_ms is None else args.admission_ms / 1000
+    if admission < 0:
+        raise ValueError(f"--admission-ms must be >= 0, got {args.admission_ms}")
     return SimSetup(scheduler, num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, model, gap,
-                    not args.no_noise)  # fmt: skip
+                    not args.no_noise, admission)  # fmt: skip
 
 
 def _engine_shape(config: Any, num_kv_blocks: int | None) -> tuple[int, int]:
@@ -169,7 +185,7 @@ def simulate(setup: SimSetup, workload: list[SimRequest], max_concurrency: int |
     """One simulated run."""
     predictor = ModelPredictor(setup.model, noise=setup.noise, seed=seed)
     simulator = Simulator(setup.scheduler, setup.num_blocks, setup.block_size, predictor, setup.gap_s,
-                          setup.prefix_caching)  # fmt: skip
+                          setup.prefix_caching, admission=setup.admission_s)  # fmt: skip
     return simulator.run(workload, max_concurrency)
 
 
@@ -201,7 +217,8 @@ def sim_note(setup: SimSetup, result: SimResult) -> str:
     error = f", hold-out error {100 * report.holdout_mean_rel_error:.1f}%" if report else ""
     outside = f"; {result.num_out_of_range} steps outside the calibrated range" if result.num_out_of_range else ""
     return (f"simulated: {len(result.steps)} steps, {setup.num_blocks} KV blocks, gap {setup.gap_s * 1e3:.2f} ms, "
-            f"noise {'on' if setup.noise else 'off'}{error}{outside}")  # fmt: skip
+            f"admission {setup.admission_s * 1e3:.1f} ms, noise {'on' if setup.noise else 'off'}{error}"
+            f"{outside}")  # fmt: skip
 
 
 def parse_sim_sweep(items: list[str]) -> list[dict[str, float | str]]:

@@ -3,7 +3,9 @@
 Each step: the scheduler builds its batch exactly as in the engine; a ``NullRunner`` "samples" one fixed token per
 sampling row (requests carry ``ignore_eos`` and ``max_tokens``, so output lengths are scripted); the virtual clock
 advances by the predictor's step duration, then by the inter-step gap. Arrivals follow the client's schedule
-(offsets, plus a concurrency limit released when a request finishes). Nothing here reads the wall clock.
+(offsets, plus a concurrency limit released when a request finishes); a request reaches the scheduler
+``admission`` seconds after the client sends it (the serving overhead outside the engine: HTTP, tokenization, the
+first chunk's way back), so its client-side TTFT and E2E latency include it. Nothing here reads the wall clock.
 """
 
 from __future__ import annotations
@@ -113,12 +115,16 @@ class SimResult:
 
 class Simulator:
     """The real scheduler over a virtual clock. ``gap`` is the inter-step gap: seconds, or a function called
-    once per step (the oracle replays recorded gaps)."""
+    once per step (the oracle replays recorded gaps); ``admission``: seconds from a client's send to the request's
+    arrival in the engine (0: it arrives as it is sent)."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, predictor: Predictor,
                  gap: float | Callable[[], float] = 0.0, enable_prefix_caching: bool = True,
-                 budget_policy: BudgetPolicy | None = None, start_time: float = 0.0) -> None:
+                 budget_policy: BudgetPolicy | None = None, start_time: float = 0.0, admission: float = 0.0) -> None:
+        if admission < 0:
+            raise ValueError(f"admission overhead must be >= 0 s, got {admission}")
         self.clock = VirtualClock(start_time)
+        self.admission = admission
         self.scheduler = Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching), self.clock,
                                    budget_policy)  # fmt: skip
         self.predictor = predictor
@@ -134,13 +140,20 @@ class Simulator:
         pending.reverse()  # pop() takes the earliest
         limit = max_concurrency or len(workload) or 1
         sent: list[tuple[Request, float]] = []
+        admitting: list[tuple[Request, float]] = []  # sent, not yet in the engine: (request, arrival time)
         in_flight = 0
-        while pending or self.scheduler.has_unfinished:
+        while pending or admitting or self.scheduler.has_unfinished:
             while pending and in_flight < limit and t0 + workload[pending[-1]].send_offset <= self.clock():
-                sent.append(self._send(workload[pending.pop()], len(sent)))
-                in_flight += not sent[-1][0].finished
+                item, now = workload[pending.pop()], self.clock()
+                request = self._request(item, len(sent), now + self.admission)
+                sent.append((request, now))
+                admitting.append((request, now + self.admission))
+                in_flight += 1
+            in_flight -= self._admit(admitting)
             if not self.scheduler.has_unfinished:
-                self.clock.advance_to(t0 + workload[pending[-1]].send_offset)
+                sendable = pending and in_flight < limit
+                next_send = t0 + workload[pending[-1]].send_offset if sendable else float("inf")
+                self.clock.advance_to(min(next_send, admitting[0][1] if admitting else float("inf")))
                 continue
             in_flight -= self.step()
         duration = self.clock() - t0
@@ -148,17 +161,24 @@ class Simulator:
         return SimResult(records, duration, self.steps, [r for r, _ in sent], self.step_tokens,
                          getattr(self.predictor, "num_out_of_range", 0))  # fmt: skip
 
-    def _send(self, item: SimRequest, index: int) -> tuple[Request, float]:
-        """Queue one request arriving now; one the engine would refuse ends at once, failed, as in bench serve."""
-        now = self.clock()
+    def _request(self, item: SimRequest, index: int, arrival: float) -> Request:
+        """The engine's request for one workload item, arriving at ``arrival``."""
         params = SamplingParams(temperature=0.0, max_tokens=item.max_tokens, ignore_eos=True)
-        request = Request(item.request_id or f"sim-{index}", item.prompt_token_ids, params, arrival_time=now)
-        try:
-            self.scheduler.add_request(request)
-        except InvalidRequestError as exc:
-            request.status = RequestStatus.FINISHED_ABORTED
-            request.timeline.finish_reason = f"refused: {exc}"
-        return request, now
+        return Request(item.request_id or f"sim-{index}", item.prompt_token_ids, params, arrival_time=arrival)
+
+    def _admit(self, admitting: list[tuple[Request, float]]) -> int:
+        """Queue the requests whose arrival time has come (in send order); one the engine would refuse ends at
+        once, failed, as in bench serve. Returns how many were refused."""
+        now, refused = self.clock(), 0
+        while admitting and admitting[0][1] <= now:
+            request, _ = admitting.pop(0)
+            try:
+                self.scheduler.add_request(request)
+            except InvalidRequestError as exc:
+                request.status = RequestStatus.FINISHED_ABORTED
+                request.timeline.finish_reason = f"refused: {exc}"
+                refused += 1
+        return refused
 
     def step(self) -> int:
         """One engine step in virtual time (schedule, predict, advance, update, gap); returns requests finished."""

@@ -64,7 +64,9 @@ class StepTimeModel:
 
     ``feature_max``: the largest value of each feature seen in calibration (a step beyond it is extrapolated);
     ``residual_ratios``: actual ÷ predicted of the calibration steps; ``gap_s``: the median time between the end
-    of one step and the start of the next while the engine is busy."""
+    of one step and the start of the next while the engine is busy; ``admission_s``: the serving overhead outside
+    the engine (client send → engine arrival plus engine first token → client receipt, the median of client TTFT
+    minus engine TTFT in a served calibration run; 0 for an engine-only calibration)."""
 
     coefficients: list[float]
     feature_max: list[float] = field(default_factory=list)
@@ -72,6 +74,7 @@ class StepTimeModel:
     gap_s: float = 0.0
     report: FitReport | None = None
     meta: dict[str, Any] = field(default_factory=dict)
+    admission_s: float = 0.0
 
     def predict(self, features: StepFeatures) -> float:
         """Predicted seconds of one step."""
@@ -111,7 +114,7 @@ class StepTimeModel:
         report = FitReport(**data["report"]) if data.get("report") else None
         return cls(list(map(float, data["coefficients"])), list(map(float, data.get("feature_max", []))),
                    list(map(float, data.get("residual_ratios", []))), float(data.get("gap_s", 0.0)), report,
-                   dict(data.get("meta", {})))  # fmt: skip
+                   dict(data.get("meta", {})), float(data.get("admission_s", 0.0)))  # fmt: skip
 
 
 def _fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:

@@ -9,14 +9,20 @@ Methods (``--quantization`` picks the weight format, the C++ kernels make it fas
 - ``int8``: weight-only int8 with one float32 scale per output channel (symmetric, round to nearest).
 - ``q8_0`` / ``q4_1``: GGUF's block formats (32 weights per block: ``d·q`` / ``d·q + m``), executed without
   dequantising to a full-precision copy. As in llama.cpp, activations are rounded to int8 blocks of 32 first
-  (``quant.quantize_activations``), so each block's dot product is integer arithmetic (``maddubs``) — on every path
-  and every batch size, so a request's logits do not depend on which path its batch took.
+  (``quant.quantize_activations``), so each block's dot product is integer arithmetic (``maddubs``) — on the
+  F.linear fallback too (``rounded_input``), so both paths see the same activations.
+
+Batch invariance: each kernel computes an output row with the same instructions in the same order whatever the
+other rows of the batch are; only the F.linear fallback beyond ``MAX_KERNEL_ROWS`` (a GEMM, blocked by batch size)
+is not. ``--deterministic`` (``batch_invariant``) keeps every batch size on the kernels, so batching and chunked
+prefill never change a request's logits.
 
 Without the kernels every method still runs (plain torch: dequantise then ``F.linear``), slower but equal.
 """
 
 from __future__ import annotations
 
+import math
 from types import ModuleType
 
 import torch
@@ -46,22 +52,34 @@ class DenseLinear(DirectCallModule):
         """y = x Wᵀ + b."""
         return F.linear(x, self.weight, self.bias)
 
+    def kernel_op(self):
+        """This projection as a C++ ``LinearOp`` for the decoder stack (``ops/stack.py``); None: no kernel."""
+        return None
+
 
 class KernelLinear(DenseLinear):
-    """float32 / bfloat16 weight, small batches through the streaming kernel, large ones through F.linear."""
+    """float32 / bfloat16 weight, small batches through the streaming kernel, large ones through F.linear
+    (``max_rows``: infinite for batch-invariant execution)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: ModuleType) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: ModuleType,
+                 max_rows: float = MAX_KERNEL_ROWS["none"]) -> None:  # fmt: skip
         super().__init__(weight.contiguous(), bias)
         self.kernels = kernels
         self.bias32 = None if bias is None else bias.float()
+        self.max_rows = max_rows
+        self.batch_invariant = math.isinf(max_rows)  # the kernel then sums one row alike at every batch size
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         """y = x Wᵀ + b (float32 accumulation in the kernel)."""
-        if x.shape[0] > MAX_KERNEL_ROWS["none"] or x.dtype == torch.float64:
+        if x.shape[0] > self.max_rows or x.dtype == torch.float64:
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if x.dtype == torch.float32:  # the common case, without no-op conversions (each costs a dispatch)
-            return self.kernels.linear(x, self.weight, self.bias32)
-        return self.kernels.linear(x.float(), self.weight, self.bias32).to(x.dtype)
+            return self.kernels.linear(x, self.weight, self.bias32, self.batch_invariant)
+        return self.kernels.linear(x.float(), self.weight, self.bias32, self.batch_invariant).to(x.dtype)
+
+    def kernel_op(self):
+        """This projection as a C++ ``LinearOp`` (the kernel ``forward`` calls for float32 rows)."""
+        return self.kernels.LinearOp("dense", [self.weight], self.bias32, self.batch_invariant)
 
 
 class QuantizedLinear(DirectCallModule):
@@ -69,13 +87,16 @@ class QuantizedLinear(DirectCallModule):
 
     def __init__(
         self, weight: torch.Tensor | None, bias: torch.Tensor | None, fmt: str, kernels: ModuleType | None,
-        packed: tuple[torch.Tensor, ...] | None = None,
+        packed: tuple[torch.Tensor, ...] | None = None, max_rows: float | None = None,
     ) -> None:
         super().__init__()
         self.fmt = fmt
+        self.max_rows = MAX_KERNEL_ROWS[fmt] if max_rows is None else max_rows  # beyond: F.linear on dequant(W)
+        self.batch_invariant = math.isinf(self.max_rows)
         # tuple of tensors, format-specific (the kernel's argument order): as stored in the file, or quantized here
         self.packed = packed if packed is not None else quantize(weight, fmt)
         self.bias32 = None if bias is None else bias.float()
+        self.kernels = kernels
         self.kernel = None if kernels is None else getattr(kernels, "linear_" + fmt)
 
     def dequantized(self) -> torch.Tensor:
@@ -85,11 +106,17 @@ class QuantizedLinear(DirectCallModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         """y = x dequant(W)ᵀ + b, without materialising dequant(W) for small batches when the kernels exist."""
         x32 = x if x.dtype == torch.float32 else x.float()
-        if self.kernel is None or x.shape[0] > MAX_KERNEL_ROWS[self.fmt]:
+        if self.kernel is None or x.shape[0] > self.max_rows:
             y = F.linear(self.rounded_input(x32), self.dequantized(), self.bias32)
         else:
-            y = self.kernel(x32, *self.packed, self.bias32)  # the kernel makes x contiguous if it is not
+            y = self.kernel(x32, *self.packed, self.bias32, self.batch_invariant)  # makes x contiguous if need be
         return y if x.dtype == torch.float32 else y.to(x.dtype)
+
+    def kernel_op(self):
+        """This projection as a C++ ``LinearOp`` (the kernel ``forward`` calls); None without the kernels."""
+        if self.kernels is None:
+            return None
+        return self.kernels.LinearOp(self.fmt, list(self.packed), self.bias32, self.batch_invariant)
 
     def rounded_input(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32
         """``x`` as this layer's kernel sees it: rounded to int8 blocks for the block formats, else unchanged."""
@@ -123,23 +150,29 @@ def dequantize(packed: tuple[torch.Tensor, ...], fmt: str) -> torch.Tensor:
 
 def make_linear(
     weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, kernels: ModuleType | None,
-    native: tuple[str, tuple[torch.Tensor, ...]] | None = None,
+    native: tuple[str, tuple[torch.Tensor, ...]] | None = None, batch_invariant: bool = False,
 ) -> nn.Module:
     """The fastest available layer computing ``x Wᵀ + b`` for ``weight`` [out, in] in the chosen format.
 
     ``native``: (format, tensors) of the same weight as stored in a GGUF file; used as is when its format is the
-    one asked for, or for ``gguf`` (each weight as stored; float where it is stored as float)."""
+    one asked for, or for ``gguf`` (each weight as stored; float where it is stored as float).
+    ``batch_invariant``: the kernel at every batch size (each output row is computed by the same instructions in
+    the same order whatever the other rows are), never the F.linear fallback."""
+    max_rows = math.inf if batch_invariant else None
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     if native is not None and quantization in ("gguf", native[0]):
-        return QuantizedLinear(None, bias, native[0], kernels, packed=native[1])
+        return QuantizedLinear(None, bias, native[0], kernels, packed=native[1], max_rows=max_rows)
     if quantization not in ("none", "gguf"):
-        return QuantizedLinear(weight, bias, quantization, kernels)
+        return QuantizedLinear(weight, bias, quantization, kernels, max_rows=max_rows)
     usable = kernels is not None and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
-    return KernelLinear(weight, bias, kernels) if usable else DenseLinear(weight, bias)
+    if not usable:
+        return DenseLinear(weight, bias)
+    return KernelLinear(weight, bias, kernels, max_rows or MAX_KERNEL_ROWS["none"])
 
 
-def pack_linear_layers(model: nn.Module, quantization: str, kernels: ModuleType | None, native_of=None) -> None:
+def pack_linear_layers(model: nn.Module, quantization: str, kernels: ModuleType | None, native_of=None,
+                       batch_invariant: bool = False) -> None:  # fmt: skip
     """Replace every ``nn.Linear`` in ``model`` by ``make_linear`` of its loaded weight (in place).
     ``native_of(qualified module name)``: its weight as stored in the file, (format, tensors) or None."""
     for parent_name, parent in list(model.named_modules()):
@@ -147,4 +180,4 @@ def pack_linear_layers(model: nn.Module, quantization: str, kernels: ModuleType 
             if isinstance(child, nn.Linear):
                 native = native_of(f"{parent_name}.{name}".lstrip(".")) if native_of else None
                 bias = None if child.bias is None else child.bias.data
-                setattr(parent, name, make_linear(child.weight.data, bias, quantization, kernels, native))
+                setattr(parent, name, make_linear(child.weight.data, bias, quantization, kernels, native, batch_invariant))

@@ -2,12 +2,13 @@
 
 Layouts (K must be a multiple of 32; one block = 32 consecutive weights of a row):
 
-- Q8_0: ``qs`` int8 [N, K], ``d`` float32 [N, K/32]; w = d * q.
-- Q4_1: ``qs`` uint8 [N, K/2], ``d``, ``m`` float32 [N, K/32]; w = d * q + m, q in 0..15. Byte j of a
+- Q8_0: ``qs`` int8 [N, K], ``d`` float16 [N, K/32]; w = d * q.
+- Q4_1: ``qs`` uint8 [N, K/2], ``d``, ``m`` float16 [N, K/32]; w = d * q + m, q in 0..15. Byte j of a
   block's 16 bytes holds element j in its low nibble and element j+16 in its high nibble (GGUF order),
   so raw GGUF block data converts by slicing (``from_gguf_q8_0`` / ``from_gguf_q4_1``).
 
-Scales are float32 in memory; quantizers round them through float16 like ggml, so GGUF files round-trip.
+Scales are float16 as in GGUF (the kernels convert them exactly; float32 scales would make a Q4_1 block 24 bytes
+instead of 20); quantizers round them to float16 like ggml, so GGUF files round-trip.
 
 Activations may be quantized too (llama.cpp's Q8_1 idea, ``quantize_activations``): blocks of 32 of a row as int8
 with one float32 scale, so a block's dot product with Q8_0 / Q4_1 weights is integer arithmetic.
@@ -29,28 +30,28 @@ def _blocks(w: torch.Tensor) -> torch.Tensor:
 
 
 def quantize_q8_0(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float [N, K] -> (qs int8 [N, K], d float32 [N, K/32]), as ggml's reference quantizer."""
+    """float [N, K] -> (qs int8 [N, K], d float16 [N, K/32]), as ggml's reference quantizer."""
     b = _blocks(w)
     d = b.abs().amax(-1) / 127.0  # [N, nb]
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(b * inv[..., None]).clamp(-128, 127).to(torch.int8)
-    return q.reshape(w.shape), d.half().float()
+    return q.reshape(w.shape), d.half()
 
 
 def dequantize_q8_0(qs: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     """(qs [N, K], d [N, K/32]) -> float32 [N, K]."""
     n, k = qs.shape
-    return (qs.float().reshape(n, k // QK, QK) * d[..., None]).reshape(n, k)
+    return (qs.float().reshape(n, k // QK, QK) * d.float()[..., None]).reshape(n, k)
 
 
 def quantize_q4_1(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """float [N, K] -> (qs uint8 [N, K/2], d float32 [N, K/32], m float32 [N, K/32]), as ggml."""
+    """float [N, K] -> (qs uint8 [N, K/2], d float16 [N, K/32], m float16 [N, K/32]), as ggml."""
     b = _blocks(w)
     lo, hi = b.amin(-1), b.amax(-1)  # [N, nb]
     d = (hi - lo) / 15.0
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = torch.floor((b - lo[..., None]) * inv[..., None] + 0.5).clamp(0, 15).to(torch.uint8)
-    return pack_nibbles(q), d.half().float(), lo.half().float()
+    return pack_nibbles(q), d.half(), lo.half()
 
 
 def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
@@ -70,13 +71,13 @@ def dequantize_q4_1(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch
     """(qs [N, K/2], d, m [N, K/32]) -> float32 [N, K]."""
     q = unpack_nibbles(qs).float()
     n, nb, _ = q.shape
-    return (q * d[..., None] + m[..., None]).reshape(n, nb * QK)
+    return (q * d.float()[..., None] + m.float()[..., None]).reshape(n, nb * QK)
 
 
 def from_gguf_q8_0(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw GGUF Q8_0 bytes (N*K/32 blocks of fp16 d + 32 int8) -> (qs, d)."""
     blk = raw.reshape(n, k // QK, 34)
-    d = blk[..., :2].contiguous().view(torch.float16).reshape(n, k // QK).float()
+    d = blk[..., :2].contiguous().view(torch.float16).reshape(n, k // QK)
     qs = blk[..., 2:].contiguous().view(torch.int8).reshape(n, k)
     return qs, d
 
@@ -84,8 +85,8 @@ def from_gguf_q8_0(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, tor
 def from_gguf_q4_1(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Raw GGUF Q4_1 bytes (N*K/32 blocks of fp16 d, fp16 m, 16 packed bytes) -> (qs, d, m)."""
     blk = raw.reshape(n, k // QK, 20)
-    d = blk[..., 0:2].contiguous().view(torch.float16).reshape(n, k // QK).float()
-    m = blk[..., 2:4].contiguous().view(torch.float16).reshape(n, k // QK).float()
+    d = blk[..., 0:2].contiguous().view(torch.float16).reshape(n, k // QK)
+    m = blk[..., 2:4].contiguous().view(torch.float16).reshape(n, k // QK)
     qs = blk[..., 4:].contiguous().reshape(n, k // 2)
     return qs, d, m
 

@@ -6,6 +6,7 @@
 #include <limits>
 #include <vector>
 #include "common.h"
+#include "ops.h"
 
 namespace tp {
 namespace {

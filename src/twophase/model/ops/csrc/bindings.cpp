@@ -1,34 +1,20 @@
 // Python bindings for twophase CPU kernels.
 #include <ATen/ATen.h>
 #include <torch/python.h>
+#include <pybind11/stl.h>
 
-namespace tp {
-at::Tensor linear(const at::Tensor&, const at::Tensor&, const c10::optional<at::Tensor>&);
-at::Tensor linear_int8(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const c10::optional<at::Tensor>&);
-at::Tensor linear_q8_0(const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const c10::optional<at::Tensor>&);
-at::Tensor linear_q4_1(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const c10::optional<at::Tensor>&);
-void paged_attention(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                     const at::Tensor&, const at::Tensor&, const at::Tensor&, int64_t, double);
-at::Tensor rms_norm(const at::Tensor&, const at::Tensor&, double);
-void add_rms_norm_(at::Tensor&, at::Tensor&, const at::Tensor&, double);
-at::Tensor silu_and_mul(const at::Tensor&);
-void rotary_cache_(at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, at::Tensor&, at::Tensor&,
-                   const at::Tensor&, int64_t, int64_t);
-}  // namespace tp
+#include "stack.h"
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "twophase CPU kernels (small-M linear, quantized linear, paged attention, fused layer ops)";
   m.def("linear", &tp::linear, "y = x @ w.T + bias (w fp32/bf16)", py::arg("x"), py::arg("w"),
-        py::arg("bias") = py::none());
+        py::arg("bias") = py::none(), py::arg("batch_invariant") = false);
   m.def("linear_int8", &tp::linear_int8, "y = (x @ wq.T) * scale + bias", py::arg("x"), py::arg("wq"),
-        py::arg("scale"), py::arg("bias") = py::none());
+        py::arg("scale"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false);
   m.def("linear_q8_0", &tp::linear_q8_0, "GGUF Q8_0 linear (x rounded to int8 blocks)", py::arg("x"), py::arg("qs"), py::arg("d"),
-        py::arg("bias") = py::none());
+        py::arg("bias") = py::none(), py::arg("batch_invariant") = false);
   m.def("linear_q4_1", &tp::linear_q4_1, "GGUF Q4_1 linear (x rounded to int8 blocks)", py::arg("x"), py::arg("qs"), py::arg("d"),
-        py::arg("m"), py::arg("bias") = py::none());
+        py::arg("m"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false);
   m.def("paged_attention", &tp::paged_attention, "varlen causal attention over a paged KV cache", py::arg("out"),
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("query_start_loc"), py::arg("block_size"), py::arg("scale"));
@@ -39,4 +25,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rotary_cache_", &tp::rotary_cache_, "rotate q/k heads of qkv in place, store k/v into the cache",
         py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slots"), py::arg("heads"), py::arg("kv_heads"));
+  py::class_<tp::LinearOp>(m, "LinearOp", "one projection as packed: dense (w), int8 (wq, scale), q8_0 (qs, d), q4_1 (qs, d, m)")
+      .def(py::init<const std::string&, std::vector<at::Tensor>, c10::optional<at::Tensor>, bool>(), py::arg("kind"),
+           py::arg("tensors"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false)
+      .def("__call__", &tp::LinearOp::operator(), py::arg("x"));
+  py::class_<tp::StackLayer>(m, "StackLayer", "one decoder layer's norms and projections")
+      .def(py::init<at::Tensor, at::Tensor, tp::LinearOp, tp::LinearOp, tp::LinearOp, tp::LinearOp>(),
+           py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
+           py::arg("down"));
+  py::class_<tp::DecoderStack>(m, "DecoderStack", "every decoder layer in one call (the kernels of llama.py's loop)")
+      .def(py::init<std::vector<tp::StackLayer>, at::Tensor, double, int64_t, int64_t, int64_t, at::Tensor,
+                    at::Tensor>(),
+           py::arg("layers"), py::arg("final_norm"), py::arg("eps"), py::arg("heads"), py::arg("kv_heads"),
+           py::arg("head_dim"), py::arg("cos"), py::arg("sin"))
+      .def("set_kv_caches", &tp::DecoderStack::set_kv_caches, py::arg("k_caches"), py::arg("v_caches"))
+      .def("forward", &tp::DecoderStack::forward, py::arg("residual"), py::arg("positions"), py::arg("slots"),
+           py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("block_size"));
 }

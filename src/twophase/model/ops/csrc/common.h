@@ -26,6 +26,28 @@ inline uint16_t f32_to_bf16(float f) {
   return static_cast<uint16_t>(u >> 16);
 }
 
+// IEEE half bits -> float (exact): F16C's instruction where the CPU has it, else by hand.
+inline float half_to_f32(uint16_t h) {
+#ifdef __F16C__
+  return _cvtsh_ss(h);
+#else
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  uint32_t u;
+  if (exp == 0x1f) u = sign | 0x7f800000u | (man << 13);  // inf / nan
+  else if (exp != 0) u = sign | ((exp + 112) << 23) | (man << 13);
+  else if (man == 0) u = sign;  // zero
+  else {  // subnormal: normalise
+    int e = -1;
+    uint32_t m = man;
+    do { m <<= 1; ++e; } while (!(m & 0x400u));
+    u = sign | static_cast<uint32_t>(112 - e) << 23 | ((m & 0x3ffu) << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
 #ifdef __AVX2__
 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v);

@@ -5,6 +5,7 @@
 #include <ATen/Parallel.h>
 #include <vector>
 #include "common.h"
+#include "ops.h"
 
 namespace tp {
 namespace {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <vector>
 #include "common.h"
+#include "ops.h"
 
 namespace tp {
 namespace {
@@ -37,15 +38,19 @@ struct WI8 {
 #endif
 };
 
-// out[m][n] = dot(x[m], w[n]) over K for an MR x NR tile.
-template <class W, int MR, int NR>
+// out[m][n] = dot(x[m], w[n]) over K for an MR x NR tile. Every (m, n) pair sums in the same order (one FMA chain
+// over k, then the scalar tail) whatever MR and NR are, so a row's result does not depend on the batch it is in.
+// FOUR (MR = NR = 1 only): four interleaved FMA chains instead, 10-15% faster for one row of float32 weights on
+// Zen 3, but another summation order than the tiles of M >= 2: used only when batch invariance is not asked for.
+template <class W, int MR, int NR, bool FOUR = false>
 inline void dense_tile(const float* const* x, const typename W::T* const* w, int64_t K, float (&out)[MR][NR]) {
   int64_t k = 0;
 #ifdef __AVX2__
   __m256 acc[MR][NR];
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
-  if constexpr (MR == 1 && NR == 1) {  // one sequential stream, 4 independent FMA chains
+  if constexpr (FOUR) {
+    static_assert(MR == 1 && NR == 1, "four chains: one row, one weight row");
     __m256 a1 = _mm256_setzero_ps(), a2 = a1, a3 = a1;
     for (; k + 32 <= K; k += 32) {
       acc[0][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x[0] + k), W::eight(w[0] + k), acc[0][0]);
@@ -72,14 +77,16 @@ inline void dense_tile(const float* const* x, const typename W::T* const* w, int
   for (; k < K; ++k)
     for (int n = 0; n < NR; ++n) {
       float wk = W::one(w[n] + k);
-      for (int m = 0; m < MR; ++m) out[m][n] += x[m][k] * wk;
+      for (int m = 0; m < MR; ++m) out[m][n] = std::fma(x[m][k], wk, out[m][n]);  // fused at every MR
     }
 }
 
 // ---- GGUF block formats ---------------------------------------------------------------------------------
-// Q8_0: qs int8 [N, K], d float [N, K/32]; w = d * q.
-// Q4_1: qs uint8 [N, K/2] (per block 16 bytes: low nibbles = elements 0..15, high = 16..31), d, m float
+// Q8_0: qs int8 [N, K], d float16 [N, K/32]; w = d * q.
+// Q4_1: qs uint8 [N, K/2] (per block 16 bytes: low nibbles = elements 0..15, high = 16..31), d, m float16
 //       [N, K/32]; w = d * q + m.  The min term is folded in via per-block sums of x.
+// Scales stay float16 as GGUF stores them (2 bytes a block each, converted exactly when read): float32 scales
+// made a Q4_1 block 24 bytes instead of 20, a fifth more to read per decode step.
 // Both run with x rounded to int8 blocks (XQ8 below), as llama.cpp runs them.
 // Each format: one() for the scalar path; load() its block's 32 weights as bytes and dot() their products
 // with 32 int8 activations, summed to 8 int32, for the AVX2 path.
@@ -147,41 +154,67 @@ XQ8 quantize_x_q8(const float* x, int64_t M, int64_t K) {
 }
 
 // out[m][n] = sum_b d[n][b] * xd[m][b] * dot_b(xq[m], q[n]) (+ mn[n][b] * xs[m][b]) for an MR x NR tile.
+// AVX2 path, per group of 8 blocks: the 8 block scales d * xd and the min term come from one float16 -> float32
+// vector conversion each (F16C), then each block is one integer dot and one FMA into one of two accumulators
+// (alternating, so consecutive FMAs do not wait on each other: one chain made a 576-wide row latency-bound).
 template <class Q, int MR, int NR>
 inline void q8_tile(const int8_t* const* xq, const float* const* xd, const float* const* xs,
-                    const typename Q::T* const* q, const float* const* d, const float* const* mn, int64_t nb,
+                    const typename Q::T* const* q, const uint16_t* const* d, const uint16_t* const* mn, int64_t nb,
                     float (&out)[MR][NR]) {
   float minacc[MR][NR] = {};
-  if constexpr (Q::has_min)
-    for (int64_t b = 0; b < nb; ++b)
-      for (int m = 0; m < MR; ++m)
-        for (int n = 0; n < NR; ++n) minacc[m][n] += mn[n][b] * xs[m][b];
-#ifdef __AVX2__
-  __m256 acc[MR][NR];
+  int64_t b = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+  __m256 acc[2][MR][NR], macc[MR][NR];
   for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) acc[m][n] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < nb; ++b) {
+    for (int n = 0; n < NR; ++n) acc[0][m][n] = acc[1][m][n] = macc[m][n] = _mm256_setzero_ps();
+  alignas(32) float sc[MR][NR][8];
+  for (; b + 8 <= nb; b += 8) {
+    for (int n = 0; n < NR; ++n) {
+      const __m256 dv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d[n] + b)));
+      for (int m = 0; m < MR; ++m) _mm256_store_ps(sc[m][n], _mm256_mul_ps(dv, _mm256_loadu_ps(xd[m] + b)));
+      if constexpr (Q::has_min) {
+        const __m256 mv = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mn[n] + b)));
+        for (int m = 0; m < MR; ++m) macc[m][n] = _mm256_fmadd_ps(mv, _mm256_loadu_ps(xs[m] + b), macc[m][n]);
+      }
+    }
+    for (int j = 0; j < 8; ++j) {
+      __m256i wv[NR];
+      for (int n = 0; n < NR; ++n) wv[n] = Q::load(q[n] + (b + j) * Q::bytes_per_block);
+      for (int m = 0; m < MR; ++m) {
+        const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + (b + j) * QK));
+        for (int n = 0; n < NR; ++n) {
+          const __m256 p = _mm256_cvtepi32_ps(Q::dot(wv[n], av));
+          acc[j & 1][m][n] = _mm256_fmadd_ps(p, _mm256_broadcast_ss(&sc[m][n][j]), acc[j & 1][m][n]);
+        }
+      }
+    }
+  }
+  for (; b < nb; ++b) {  // the last nb % 8 blocks
     __m256i wv[NR];
-    for (int n = 0; n < NR; ++n) wv[n] = Q::load(q[n] + b * Q::bytes_per_block);
+    float dn[NR];
+    for (int n = 0; n < NR; ++n) wv[n] = Q::load(q[n] + b * Q::bytes_per_block), dn[n] = half_to_f32(d[n][b]);
     for (int m = 0; m < MR; ++m) {
       const __m256i av = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq[m] + b * QK));
       for (int n = 0; n < NR; ++n) {
         const __m256 p = _mm256_cvtepi32_ps(Q::dot(wv[n], av));
-        acc[m][n] = _mm256_fmadd_ps(p, _mm256_set1_ps(d[n][b] * xd[m][b]), acc[m][n]);
+        acc[0][m][n] = _mm256_fmadd_ps(p, _mm256_set1_ps(dn[n] * xd[m][b]), acc[0][m][n]);
+        if constexpr (Q::has_min) minacc[m][n] = std::fma(half_to_f32(mn[n][b]), xs[m][b], minacc[m][n]);
       }
     }
   }
   for (int m = 0; m < MR; ++m)
-    for (int n = 0; n < NR; ++n) out[m][n] = hsum(acc[m][n]) + minacc[m][n];
+    for (int n = 0; n < NR; ++n)
+      out[m][n] = hsum(_mm256_add_ps(acc[0][m][n], acc[1][m][n])) + hsum(macc[m][n]) + minacc[m][n];
 #else
   for (int m = 0; m < MR; ++m)
     for (int n = 0; n < NR; ++n) {
       float acc = 0.f;
-      for (int64_t b = 0; b < nb; ++b) {
+      for (b = 0; b < nb; ++b) {
         int32_t t = 0;
         for (int j = 0; j < QK; ++j)
           t += static_cast<int32_t>(xq[m][b * QK + j]) * static_cast<int32_t>(Q::one(q[n] + b * Q::bytes_per_block, j));
-        acc += d[n][b] * xd[m][b] * static_cast<float>(t);
+        acc += half_to_f32(d[n][b]) * xd[m][b] * static_cast<float>(t);
+        if constexpr (Q::has_min) minacc[m][n] = std::fma(half_to_f32(mn[n][b]), xs[m][b], minacc[m][n]);
       }
       out[m][n] = acc + minacc[m][n];
     }
@@ -227,30 +260,31 @@ void run_tiles(const Problem& p, int64_t work_per_row, Tile tile) {
   });
 }
 
-template <class W, int MR, int NR>
+template <class W, int MR, int NR, bool FOUR = false>
 void dense_run(const Problem& p, const typename W::T* w) {
   run_tiles<MR, NR>(p, p.K, [&](const float* const* xr, const int64_t*, const int64_t* rows, float (&out)[MR][NR]) {
     const typename W::T* wr[NR];
     for (int n = 0; n < NR; ++n) wr[n] = w + rows[n] * p.K;
-    dense_tile<W, MR, NR>(xr, wr, p.K, out);
+    dense_tile<W, MR, NR, FOUR>(xr, wr, p.K, out);
   });
 }
 
 template <class W>
-void dense_dispatch(const Problem& p, const typename W::T* w) {
-  if (p.M == 1) dense_run<W, 1, 1>(p, w);  // rows read as one sequential stream
+void dense_dispatch(const Problem& p, const typename W::T* w, bool batch_invariant) {
+  if (p.M == 1 && !batch_invariant) dense_run<W, 1, 1, true>(p, w);  // rows read as one sequential stream
+  else if (p.M == 1) dense_run<W, 1, 1>(p, w);
   else if (p.M == 2) dense_run<W, 2, 4>(p, w);
   else if (p.M == 3) dense_run<W, 3, 4>(p, w);
   else dense_run<W, 4, 3>(p, w);
 }
 
 template <class Q, int MR, int NR>
-void q8_run(const Problem& p, const typename Q::T* q, const float* d, const float* mn, const XQ8& xq) {
+void q8_run(const Problem& p, const typename Q::T* q, const uint16_t* d, const uint16_t* mn, const XQ8& xq) {
   const int64_t nb = p.K / QK;
   run_tiles<MR, NR>(p, p.K / 4, [&](const float* const*, const int64_t* ms, const int64_t* rows, float (&out)[MR][NR]) {
     const typename Q::T* qr[NR];
-    const float* dr[NR];
-    const float* mr[NR];
+    const uint16_t* dr[NR];
+    const uint16_t* mr[NR];
     const int8_t* xr[MR];
     const float* xd[MR];
     const float* xs[MR];
@@ -269,7 +303,7 @@ void q8_run(const Problem& p, const typename Q::T* q, const float* d, const floa
 }
 
 template <class Q>
-void q8_dispatch(const Problem& p, const typename Q::T* q, const float* d, const float* mn) {
+void q8_dispatch(const Problem& p, const typename Q::T* q, const uint16_t* d, const uint16_t* mn) {
   const XQ8 xq = quantize_x_q8(p.x, p.M, p.K);
   // One weight row per tile: rows n..n+3 read in lockstep are four short interleaved streams the prefetcher
   // follows badly (30 layers of Q4_1 at M = 1: 14.2 ms with 4 rows per tile, 7.0 ms with 1, on 2 Zen 3 cores).
@@ -301,23 +335,24 @@ Problem make_problem(const at::Tensor& x, int64_t N, at::Tensor& y) {
 }  // namespace
 
 // y = x @ w.T + bias; x fp32 [M,K]; w fp32 or bf16 [N,K]; bias [N] or None.
-at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias) {
+at::Tensor linear(const at::Tensor& x_in, const at::Tensor& w_in, const c10::optional<at::Tensor>& bias,
+                  bool batch_invariant) {
   TORCH_CHECK(w_in.dim() == 2, "w must be [N, K]");
   const int64_t N = w_in.size(0), K = w_in.size(1);
   at::Tensor x = prep_x(x_in, K), w = w_in.contiguous(), y, bk;
   Problem p = make_problem(x, N, y);
   p.bias = prep_vec(bias, N, "bias", bk);
   if (x.size(0) == 0) return y;
-  if (w.scalar_type() == at::kFloat) dense_dispatch<WF32>(p, w.data_ptr<float>());
+  if (w.scalar_type() == at::kFloat) dense_dispatch<WF32>(p, w.data_ptr<float>(), batch_invariant);
   else if (w.scalar_type() == at::kBFloat16)
-    dense_dispatch<WBF16>(p, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()));
+    dense_dispatch<WBF16>(p, reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), batch_invariant);
   else TORCH_CHECK(false, "w must be float32 or bfloat16, got ", w.scalar_type());
   return y;
 }
 
 // y = (x @ wq.T) * scale + bias; wq int8 [N,K]; scale fp32 [N].
 at::Tensor linear_int8(const at::Tensor& x_in, const at::Tensor& wq_in, const at::Tensor& scale,
-                          const c10::optional<at::Tensor>& bias) {
+                          const c10::optional<at::Tensor>& bias, bool batch_invariant) {
   TORCH_CHECK(wq_in.dim() == 2 && wq_in.scalar_type() == at::kChar, "wq must be int8 [N, K]");
   const int64_t N = wq_in.size(0), K = wq_in.size(1);
   at::Tensor x = prep_x(x_in, K), wq = wq_in.contiguous(), y, bk, sk;
@@ -326,7 +361,7 @@ at::Tensor linear_int8(const at::Tensor& x_in, const at::Tensor& wq_in, const at
   p.scale = prep_vec(scale, N, "scale", sk);
   TORCH_CHECK(p.scale, "scale is required");
   if (x.size(0) == 0) return y;
-  dense_dispatch<WI8>(p, wq.data_ptr<int8_t>());
+  dense_dispatch<WI8>(p, wq.data_ptr<int8_t>(), batch_invariant);
   return y;
 }
 
@@ -334,37 +369,39 @@ namespace {
 // Checks the block tensors of a GGUF-style weight; returns (N, K).
 std::pair<int64_t, int64_t> check_blocks(const at::Tensor& qs, const at::Tensor& d, int64_t bytes_per_block) {
   TORCH_CHECK(qs.dim() == 2 && d.dim() == 2 && d.size(0) == qs.size(0), "qs [N, *] and d [N, K/32] expected");
-  TORCH_CHECK(d.scalar_type() == at::kFloat, "block scales must be float32");
+  TORCH_CHECK(d.scalar_type() == at::kHalf, "block scales must be float16 (as GGUF stores them)");
   const int64_t N = qs.size(0), nb = d.size(1);
   TORCH_CHECK(qs.size(1) == nb * bytes_per_block, "qs must be [N, ", nb * bytes_per_block, "], got ", qs.sizes());
   return {N, nb * QK};
 }
+
+const uint16_t* half_bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
 }  // namespace
 
-// Q8_0: qs int8 [N,K], d fp32 [N,K/32]; y = xq @ (d*q).T + bias, xq: x rounded to int8 blocks (XQ8).
+// Q8_0: qs int8 [N,K], d fp16 [N,K/32]; y = xq @ (d*q).T + bias, xq: x rounded to int8 blocks (XQ8).
 at::Tensor linear_q8_0(const at::Tensor& x_in, const at::Tensor& qs_in, const at::Tensor& d_in,
-                          const c10::optional<at::Tensor>& bias) {
+                          const c10::optional<at::Tensor>& bias, bool) {  // always batch-invariant
   TORCH_CHECK(qs_in.scalar_type() == at::kChar, "q8_0 qs must be int8");
   auto [N, K] = check_blocks(qs_in, d_in, QK);
   at::Tensor x = prep_x(x_in, K), qs = qs_in.contiguous(), d = d_in.contiguous(), y, bk;
   Problem p = make_problem(x, N, y);
   p.bias = prep_vec(bias, N, "bias", bk);
   if (x.size(0) == 0) return y;
-  q8_dispatch<Q8_0>(p, qs.data_ptr<int8_t>(), d.data_ptr<float>(), nullptr);
+  q8_dispatch<Q8_0>(p, qs.data_ptr<int8_t>(), half_bits(d), nullptr);
   return y;
 }
 
-// Q4_1: qs uint8 [N,K/2] (GGUF nibble order per block), d, m fp32 [N,K/32]; y = xq @ (d*q+m).T + bias.
+// Q4_1: qs uint8 [N,K/2] (GGUF nibble order per block), d, m fp16 [N,K/32]; y = xq @ (d*q+m).T + bias.
 at::Tensor linear_q4_1(const at::Tensor& x_in, const at::Tensor& qs_in, const at::Tensor& d_in,
-                          const at::Tensor& m_in, const c10::optional<at::Tensor>& bias) {
+                          const at::Tensor& m_in, const c10::optional<at::Tensor>& bias, bool) {  // always invariant
   TORCH_CHECK(qs_in.scalar_type() == at::kByte, "q4_1 qs must be uint8");
   auto [N, K] = check_blocks(qs_in, d_in, QK / 2);
-  TORCH_CHECK(m_in.sizes() == d_in.sizes() && m_in.scalar_type() == at::kFloat, "m must match d");
+  TORCH_CHECK(m_in.sizes() == d_in.sizes() && m_in.scalar_type() == at::kHalf, "m must match d");
   at::Tensor x = prep_x(x_in, K), qs = qs_in.contiguous(), d = d_in.contiguous(), mn = m_in.contiguous(), y, bk;
   Problem p = make_problem(x, N, y);
   p.bias = prep_vec(bias, N, "bias", bk);
   if (x.size(0) == 0) return y;
-  q8_dispatch<Q4_1>(p, qs.data_ptr<uint8_t>(), d.data_ptr<float>(), mn.data_ptr<float>());
+  q8_dispatch<Q4_1>(p, qs.data_ptr<uint8_t>(), half_bits(d), half_bits(mn));
   return y;
 }
 

@@ -1,0 +1,25 @@
+// The kernels' C++ entry points (defined in linear.cpp, attention.cpp, fused.cpp), shared by the Python
+// bindings and the decoder stack (stack.cpp), which calls them without going through Python.
+#pragma once
+#include <ATen/ATen.h>
+
+namespace tp {
+// batch_invariant: each output row summed in one order at every batch size (q8_0 / q4_1 always are).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
+                  bool batch_invariant);
+at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scale,
+                       const c10::optional<at::Tensor>& bias, bool batch_invariant);
+at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
+                       const c10::optional<at::Tensor>& bias, bool batch_invariant);
+at::Tensor linear_q4_1(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
+                       const c10::optional<at::Tensor>& bias, bool batch_invariant);
+void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                     int64_t block_size, double scale);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+at::Tensor silu_and_mul(const at::Tensor& gate_up);
+void rotary_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
+                   at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, int64_t heads,
+                   int64_t kv_heads);
+}  // namespace tp

@@ -1,0 +1,74 @@
+// The decoder stack in one call: for every layer, QKV projection, rotary + K/V cache write, paged attention,
+// output projection, residual add + RMSNorm, gate/up projection, SiLU-and-mul, down projection, residual add +
+// the next RMSNorm. Exactly the kernel calls of model/llama.py's layer loop, in its order (the results are
+// bit-identical); what it saves is Python: ~12 calls per layer, each a few microseconds of argument handling.
+#include "stack.h"
+
+namespace tp {
+
+LinearOp::LinearOp(const std::string& kind, std::vector<at::Tensor> tensors, c10::optional<at::Tensor> bias,
+                   bool batch_invariant)
+    : t_(std::move(tensors)), bias_(std::move(bias)), batch_invariant_(batch_invariant) {
+  size_t want = 0;
+  if (kind == "dense") kind_ = Kind::Dense, want = 1;
+  else if (kind == "int8") kind_ = Kind::Int8, want = 2;
+  else if (kind == "q8_0") kind_ = Kind::Q8_0, want = 2;
+  else if (kind == "q4_1") kind_ = Kind::Q4_1, want = 3;
+  else TORCH_CHECK(false, "LinearOp: unknown kind '", kind, "' (dense, int8, q8_0, q4_1)");
+  TORCH_CHECK(t_.size() == want, "LinearOp ", kind, ": expected ", want, " tensors, got ", t_.size());
+  for (auto& t : t_) t = t.contiguous();
+  if (bias_.has_value() && bias_->defined()) bias_ = bias_->to(at::kFloat).contiguous();
+}
+
+at::Tensor LinearOp::operator()(const at::Tensor& x) const {
+  switch (kind_) {
+    case Kind::Dense: return tp::linear(x, t_[0], bias_, batch_invariant_);
+    case Kind::Int8: return tp::linear_int8(x, t_[0], t_[1], bias_, batch_invariant_);
+    case Kind::Q8_0: return tp::linear_q8_0(x, t_[0], t_[1], bias_, batch_invariant_);
+    case Kind::Q4_1: return tp::linear_q4_1(x, t_[0], t_[1], t_[2], bias_, batch_invariant_);
+  }
+  TORCH_CHECK(false, "LinearOp: bad kind");
+}
+
+DecoderStack::DecoderStack(std::vector<StackLayer> layers, at::Tensor final_norm, double eps, int64_t heads,
+                           int64_t kv_heads, int64_t head_dim, at::Tensor cos, at::Tensor sin)
+    : layers_(std::move(layers)), final_norm_(final_norm.contiguous()), cos_(cos.contiguous()),
+      sin_(sin.contiguous()), eps_(eps), heads_(heads), kv_heads_(kv_heads), head_dim_(head_dim) {
+  TORCH_CHECK(!layers_.empty(), "DecoderStack: no layers");
+  TORCH_CHECK(heads % kv_heads == 0, "DecoderStack: heads must be a multiple of kv_heads");
+}
+
+void DecoderStack::set_kv_caches(std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches) {
+  TORCH_CHECK(k_caches.size() == layers_.size() && v_caches.size() == layers_.size(),
+              "DecoderStack: one K and one V cache per layer expected");
+  k_caches_ = std::move(k_caches);
+  v_caches_ = std::move(v_caches);
+}
+
+at::Tensor DecoderStack::forward(at::Tensor residual, const at::Tensor& positions, const at::Tensor& slots,
+                                 const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                                 const at::Tensor& query_start_loc, int64_t block_size) {
+  TORCH_CHECK(k_caches_.size() == layers_.size(), "DecoderStack: set_kv_caches first");
+  TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kFloat,
+              "DecoderStack: residual must be a contiguous float32 [T, hidden] tensor");
+  const int64_t T = residual.size(0), q_size = heads_ * head_dim_;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
+  at::Tensor h = tp::rms_norm(residual, layers_[0].input_norm, eps_);  // [T, hidden]
+  for (size_t i = 0; i < layers_.size(); ++i) {
+    const StackLayer& layer = layers_[i];
+    at::Tensor qkv = layer.qkv(h);  // [T, (H + 2 KVH) * D]
+    tp::rotary_cache_(qkv, positions, cos_, sin_, k_caches_[i], v_caches_[i], slots, heads_, kv_heads_);
+    at::Tensor q = qkv.narrow(1, 0, q_size).contiguous().view({T, heads_, head_dim_});  // rotated
+    at::Tensor attn = at::empty_like(q);  // [T, H, D]
+    tp::paged_attention(attn, q, k_caches_[i], v_caches_[i], block_tables, seq_lens, query_start_loc, block_size,
+                    scale);
+    h = layer.o(attn.view({T, q_size}));  // [T, hidden]
+    tp::add_rms_norm_(h, residual, layer.post_norm, eps_);
+    h = layer.down(tp::silu_and_mul(layer.gate_up(h)));  // [T, 2F] -> [T, F] -> [T, hidden]
+    const at::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
+    tp::add_rms_norm_(h, residual, next_norm, eps_);
+  }
+  return h;
+}
+
+}  // namespace tp

@@ -1,0 +1,49 @@
+// The whole decoder stack of a Llama-family model in one C++ call (stack.cpp): the same kernels, in the same
+// order, as the Python layer loop of model/llama.py, without a trip through Python per op.
+#pragma once
+#include <string>
+#include <vector>
+#include "ops.h"
+
+namespace tp {
+
+// One projection y = x W^T + b as its Python layer packed it: "dense" (w fp32/bf16), "int8" (wq, scale),
+// "q8_0" (qs, d) or "q4_1" (qs, d, m) — the kernel's argument order.
+class LinearOp {
+ public:
+  LinearOp(const std::string& kind, std::vector<at::Tensor> tensors, c10::optional<at::Tensor> bias,
+           bool batch_invariant);
+  at::Tensor operator()(const at::Tensor& x) const;  // x fp32 [M, K] -> fp32 [M, N]
+
+ private:
+  enum class Kind { Dense, Int8, Q8_0, Q4_1 } kind_;
+  std::vector<at::Tensor> t_;
+  c10::optional<at::Tensor> bias_;
+  bool batch_invariant_;
+};
+
+struct StackLayer {
+  at::Tensor input_norm, post_norm;  // [hidden] fp32
+  LinearOp qkv, o, gate_up, down;
+};
+
+class DecoderStack {
+ public:
+  DecoderStack(std::vector<StackLayer> layers, at::Tensor final_norm, double eps, int64_t heads, int64_t kv_heads,
+               int64_t head_dim, at::Tensor cos, at::Tensor sin);
+  // The K/V caches of every layer ([slots, KVH, D] each), kept until replaced.
+  void set_kv_caches(std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches);
+  // residual [T, hidden] fp32 (the embeddings; updated in place) -> the final norm of the last residual [T, hidden].
+  at::Tensor forward(at::Tensor residual, const at::Tensor& positions, const at::Tensor& slots,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
+                     int64_t block_size);
+
+ private:
+  std::vector<StackLayer> layers_;
+  at::Tensor final_norm_, cos_, sin_;
+  double eps_;
+  int64_t heads_, kv_heads_, head_dim_;
+  std::vector<at::Tensor> k_caches_, v_caches_;
+};
+
+}  // namespace tp
