@@ -39,8 +39,8 @@ def assert_dot_close(y: torch.Tensor, ref: torch.Tensor, absprod: torch.Tensor) 
 
 @pytest.mark.parametrize("fmt", ["fp32", "bf16", "int8", "q8_0", "q4_1"])
 def test_batch_invariant_kernels_give_each_row_its_result_alone(fmt: str) -> None:
-    """With batch_invariant every row of an M-row call equals that row computed alone, bit for bit, at every tile
-    shape (M = 2, 3, 4, 7, 130)."""
+    """With batch_invariant every row of an M-row call of a projection's ``LinearOp`` (what the layers and the decoder
+    stack call) equals that row computed alone, bit for bit, at every tile shape (M = 2, 3, 4, 7, 130)."""
     g = torch.Generator().manual_seed(7)
     n = 67
     k = 605 if fmt in ("fp32", "bf16", "int8") else 576  # dense: not a multiple of 8 (scalar tail); blocks: whole
@@ -50,11 +50,11 @@ def test_batch_invariant_kernels_give_each_row_its_result_alone(fmt: str) -> Non
         "q4_1": lambda: quantize_q4_1(w),
         "int8": lambda: (torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n, generator=g)),
     }[fmt]()
-    kernel = {"fp32": K.linear, "bf16": K.linear, "int8": K.linear_int8}.get(fmt) or getattr(K, f"linear_{fmt}")
+    op = K.LinearOp({"fp32": "dense", "bf16": "dense"}.get(fmt, fmt), list(args), None, True)
     for m in (2, 3, 4, 7, 130):
         x = torch.randn(m, k, generator=g)
-        together = kernel(x, *args, None, True)
-        alone = torch.cat([kernel(x[i : i + 1], *args, None, True) for i in range(m)])
+        together = op(x)
+        alone = torch.cat([op(x[i : i + 1]) for i in range(m)])
         assert torch.equal(together, alone), f"{fmt}, M={m}"
 
 

@@ -14,7 +14,7 @@ from twophase.config import SchedulerConfig
 from twophase.metrics.timeline import request_metrics
 from twophase.request import RequestTimeline, ScheduledEvent
 from twophase.sim import SimRequest, Simulator
-from twophase.sim.calibrate import admission_overhead, fit_served, served_ttft_pairs
+from twophase.sim.calibrate import admission_overhead, fit_from_dumps, served_ttft_pairs
 from twophase.sim.simulator import ModelPredictor
 from twophase.steptime import FEATURE_NAMES, StepFeatures, StepTimeModel
 from twophase.steptime.features import chunk_attention_pairs
@@ -78,7 +78,7 @@ def test_fit_served_recovers_step_time_gap_and_overhead(tmp_path):
     records.write_text(json.dumps({"schema": "twophase.records.v1", "steps": synthetic_steps(rng), "requests": []}))
     result.write_text(json.dumps(synthetic_served_run(rng, send_to_arrival=0.012, first_token_to_client=0.006)))
     assert len(served_ttft_pairs([str(result)])[0]) == 60
-    model = fit_served([str(records)], [str(result)])
+    model = fit_from_dumps([str(records)], [str(result)])
     assert model.admission_s == pytest.approx(0.018, abs=1e-3)
     assert model.gap_s == pytest.approx(GAP_S, rel=0.03)
     for name, want, got in zip(FEATURE_NAMES, linear_model().coefficients, model.coefficients):

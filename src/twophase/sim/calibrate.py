@@ -95,14 +95,16 @@ def served_ttft_pairs(paths: Iterable[str]) -> tuple[list[float], list[float]]:
     return client, engine
 
 
-def fit_served(record_paths: list[str], result_paths: list[str]) -> StepTimeModel:
-    """Step time and the busy gap from a loaded server's `/v1/records` dumps, the admission overhead from the bench
-    serve results of the same runs: a model of the engine as served, client included."""
+def fit_from_dumps(record_paths: list[str], result_paths: list[str] | None = None) -> StepTimeModel:
+    """Step time and the busy gap from a server's `/v1/records` dumps; with the bench serve results of the same
+    runs, also the admission overhead: a model of the engine as served, client included."""
     features, durations, gap = records_from_dumps(record_paths)
     model = fit_step_time_model(features, durations, gap)
-    client, engine = served_ttft_pairs(result_paths)
-    model.admission_s = admission_overhead(client, engine)
-    model.meta.update(served_requests=len(client), served_results=[Path(p).name for p in result_paths])
+    model.meta.update(source=[Path(p).name for p in record_paths])
+    if result_paths:
+        client, engine = served_ttft_pairs(result_paths)
+        model.admission_s = admission_overhead(client, engine)
+        model.meta.update(served_requests=len(client), served_results=[Path(p).name for p in result_paths])
     return model
 
 

@@ -69,20 +69,14 @@ def _ints(text: str, flag: str) -> list[int]:
 
 def cmd_calibrate(args: argparse.Namespace) -> int:
     """Run the grid (or read dumps), fit, print the model, save it."""
-    from twophase.sim.calibrate import describe_model, engine_meta, fit_from_records, fit_served, grid_records
-    from twophase.sim.calibrate import records_from_dumps
-    from twophase.steptime.model import fit_step_time_model
+    from twophase.sim.calibrate import describe_model, engine_meta, fit_from_dumps, fit_from_records, grid_records
 
     output = Path(args.output or f"steptime-{Path(str(args.model)).stem}.json")
     if args.served and not args.from_records:
         raise ValueError("--served takes the bench serve results of the runs --from-records dumps; give both")
-    if args.served:
-        model = fit_served(args.from_records, args.served)
-        model.meta.update(model=str(args.model), source=[Path(p).name for p in args.from_records])
-    elif args.from_records:
-        features, durations, gap = records_from_dumps(args.from_records)
-        model = fit_step_time_model(features, durations, gap)
-        model.meta.update(model=str(args.model), source=[Path(p).name for p in args.from_records])
+    if args.from_records:
+        model = fit_from_dumps(args.from_records, args.served)
+        model.meta.update(model=str(args.model))
     else:
         from twophase.cli import engine_config_from_args
         from twophase.engine.llm_engine import LLMEngine
@@ -125,9 +119,7 @@ def sim_setup(args: argparse.Namespace) -> SimSetup:
     max_len, num_blocks = _engine_shape(config, args.num_kv_blocks)
     scheduler = dataclasses.replace(config.scheduler, max_model_len=max_len)
     gap = model.gap_s if args.gap_ms is None else args.gap_ms / 1000
-    admission = model.admission_s if args.admission_ms is None else args.admission_ms / 1000
-    if admission < 0:
-        raise ValueError(f"--admission-ms must be >= 0, got {args.admission_ms}")
+    admission = model.admission_s if args.admission_ms is None else args.admission_ms / 1000  # checked by Simulator
     return SimSetup(scheduler, num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, model, gap,
                     not args.no_noise, admission)  # fmt: skip
 

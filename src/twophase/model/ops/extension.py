@@ -10,9 +10,9 @@ Kernels (all CPU, OpenMP over torch's intra-op threads, AVX2/FMA with a scalar f
   ``batch_invariant``: one summation order per row at every M (else M = 1 takes a faster order of its own).
 - ``linear_int8(x, wq, scale, bias=None, batch_invariant=False)``: wq int8 [N,K], scale fp32 [N]; y = (x @ wq.T)
   * scale + bias.
-- ``linear_q8_0(x, qs, d, bias=None, batch_invariant=False)`` (batch-invariant either way): qs int8 [N,K], d fp16 [N,K/32]; w = d * q (layouts: ``quant.py``); x is
+- ``linear_q8_0(x, qs, d, bias=None)`` (batch-invariant at every M): qs int8 [N,K], d fp16 [N,K/32]; w = d * q (layouts: ``quant.py``); x is
   rounded to int8 blocks of 32 first (``quant.quantize_activations``), so block dot products are integer.
-- ``linear_q4_1(x, qs, d, m, bias=None, batch_invariant=False)``: qs uint8 [N,K/2] (GGUF nibble order), d, m fp16 [N,K/32]; w = d*q + m;
+- ``linear_q4_1(x, qs, d, m, bias=None)``: qs uint8 [N,K/2] (GGUF nibble order), d, m fp16 [N,K/32]; w = d*q + m;
   x rounded as for Q8_0.
 - ``paged_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size, scale)``:
   writes ``out`` [T,H,D]; see ``reference_paged_attention`` in ``model/attention.py`` (the oracle).
@@ -20,8 +20,10 @@ Kernels (all CPU, OpenMP over torch's intra-op threads, AVX2/FMA with a scalar f
   ``rms_norm(x, weight, eps)``, ``add_rms_norm_(x, residual, weight, eps)`` (residual += x; x = norm(residual)),
   ``silu_and_mul(gate_up)``, ``rotary_cache_(qkv, positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads)``
   (rotate q/k heads in place from the float32 cos / signed-sin tables, store k/v rows at their cache slots).
-- ``DecoderStack`` / ``StackLayer`` / ``LinearOp`` (``csrc/stack.cpp``): every decoder layer in one call, the kernels
-  above in the order of ``model/llama.py``'s loop (see ``ops/stack.py``).
+- ``LinearOp(kind, tensors, bias=None, batch_invariant=False)``: one packed projection (``dense`` / ``int8`` /
+  ``q8_0`` / ``q4_1``) over the linear kernels above; the Python linear layers and the decoder stack both call it.
+- ``DecoderStack`` / ``StackLayer`` (``csrc/stack.cpp``): every decoder layer in one call, the kernels above in the
+  order of ``model/llama.py``'s loop (see ``ops/stack.py``).
 """
 
 from __future__ import annotations

@@ -40,8 +40,15 @@ BLOCK_FORMATS = ("q8_0", "q4_1")  # GGUF blocks of 32: executed with int8 activa
 MAX_KERNEL_ROWS = {"none": 128, "int8": 128, "q8_0": 128, "q4_1": 128}
 
 
+def kernel_row_limit(fmt: str, batch_invariant: bool) -> float:
+    """Rows up to which a layer of format ``fmt`` runs its kernel (beyond: F.linear); every row when batch-invariant."""
+    return math.inf if batch_invariant else MAX_KERNEL_ROWS[fmt]
+
+
 class DenseLinear(DirectCallModule):
     """``F.linear`` on the weight as loaded (reference)."""
+
+    op = None  # no C++ ``LinearOp``: the decoder stack (``ops/stack.py``) does not apply
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
@@ -52,52 +59,42 @@ class DenseLinear(DirectCallModule):
         """y = x Wᵀ + b."""
         return F.linear(x, self.weight, self.bias)
 
-    def kernel_op(self):
-        """This projection as a C++ ``LinearOp`` for the decoder stack (``ops/stack.py``); None: no kernel."""
-        return None
-
 
 class KernelLinear(DenseLinear):
-    """float32 / bfloat16 weight, small batches through the streaming kernel, large ones through F.linear
-    (``max_rows``: infinite for batch-invariant execution)."""
+    """float32 / bfloat16 weight, small batches through the streaming kernel (``op``, the C++ ``LinearOp`` the
+    decoder stack calls too), large ones through F.linear."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: ModuleType,
-                 max_rows: float = MAX_KERNEL_ROWS["none"]) -> None:  # fmt: skip
+                 batch_invariant: bool = False) -> None:  # fmt: skip
         super().__init__(weight.contiguous(), bias)
-        self.kernels = kernels
-        self.bias32 = None if bias is None else bias.float()
-        self.max_rows = max_rows
-        self.batch_invariant = math.isinf(max_rows)  # the kernel then sums one row alike at every batch size
+        self.max_rows = kernel_row_limit("none", batch_invariant)
+        bias32 = None if bias is None else bias.float()
+        self.op = kernels.LinearOp("dense", [self.weight], bias32, batch_invariant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         """y = x Wᵀ + b (float32 accumulation in the kernel)."""
         if x.shape[0] > self.max_rows or x.dtype == torch.float64:
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if x.dtype == torch.float32:  # the common case, without no-op conversions (each costs a dispatch)
-            return self.kernels.linear(x, self.weight, self.bias32, self.batch_invariant)
-        return self.kernels.linear(x.float(), self.weight, self.bias32, self.batch_invariant).to(x.dtype)
-
-    def kernel_op(self):
-        """This projection as a C++ ``LinearOp`` (the kernel ``forward`` calls for float32 rows)."""
-        return self.kernels.LinearOp("dense", [self.weight], self.bias32, self.batch_invariant)
+            return self.op(x)
+        return self.op(x.float()).to(x.dtype)
 
 
 class QuantizedLinear(DirectCallModule):
-    """Weight-only quantized linear: int8 per channel, or GGUF Q8_0 / Q4_1 blocks."""
+    """Weight-only quantized linear: int8 per channel, or GGUF Q8_0 / Q4_1 blocks; ``op`` (the C++ ``LinearOp``,
+    None without the kernels) runs batches up to ``max_rows``."""
 
     def __init__(
         self, weight: torch.Tensor | None, bias: torch.Tensor | None, fmt: str, kernels: ModuleType | None,
-        packed: tuple[torch.Tensor, ...] | None = None, max_rows: float | None = None,
+        packed: tuple[torch.Tensor, ...] | None = None, batch_invariant: bool = False,
     ) -> None:
         super().__init__()
         self.fmt = fmt
-        self.max_rows = MAX_KERNEL_ROWS[fmt] if max_rows is None else max_rows  # beyond: F.linear on dequant(W)
-        self.batch_invariant = math.isinf(self.max_rows)
+        self.max_rows = kernel_row_limit(fmt, batch_invariant)  # beyond: F.linear on dequant(W)
         # tuple of tensors, format-specific (the kernel's argument order): as stored in the file, or quantized here
         self.packed = packed if packed is not None else quantize(weight, fmt)
         self.bias32 = None if bias is None else bias.float()
-        self.kernels = kernels
-        self.kernel = None if kernels is None else getattr(kernels, "linear_" + fmt)
+        self.op = None if kernels is None else kernels.LinearOp(fmt, list(self.packed), self.bias32, batch_invariant)
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] the quantized one stands for."""
@@ -106,17 +103,11 @@ class QuantizedLinear(DirectCallModule):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         """y = x dequant(W)ᵀ + b, without materialising dequant(W) for small batches when the kernels exist."""
         x32 = x if x.dtype == torch.float32 else x.float()
-        if self.kernel is None or x.shape[0] > self.max_rows:
+        if self.op is None or x.shape[0] > self.max_rows:
             y = F.linear(self.rounded_input(x32), self.dequantized(), self.bias32)
         else:
-            y = self.kernel(x32, *self.packed, self.bias32, self.batch_invariant)  # makes x contiguous if need be
+            y = self.op(x32)  # the kernel makes x contiguous if it is not
         return y if x.dtype == torch.float32 else y.to(x.dtype)
-
-    def kernel_op(self):
-        """This projection as a C++ ``LinearOp`` (the kernel ``forward`` calls); None without the kernels."""
-        if self.kernels is None:
-            return None
-        return self.kernels.LinearOp(self.fmt, list(self.packed), self.bias32, self.batch_invariant)
 
     def rounded_input(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32
         """``x`` as this layer's kernel sees it: rounded to int8 blocks for the block formats, else unchanged."""
@@ -158,17 +149,16 @@ def make_linear(
     one asked for, or for ``gguf`` (each weight as stored; float where it is stored as float).
     ``batch_invariant``: the kernel at every batch size (each output row is computed by the same instructions in
     the same order whatever the other rows are), never the F.linear fallback."""
-    max_rows = math.inf if batch_invariant else None
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     if native is not None and quantization in ("gguf", native[0]):
-        return QuantizedLinear(None, bias, native[0], kernels, packed=native[1], max_rows=max_rows)
+        return QuantizedLinear(None, bias, native[0], kernels, packed=native[1], batch_invariant=batch_invariant)
     if quantization not in ("none", "gguf"):
-        return QuantizedLinear(weight, bias, quantization, kernels, max_rows=max_rows)
+        return QuantizedLinear(weight, bias, quantization, kernels, batch_invariant=batch_invariant)
     usable = kernels is not None and weight.device.type == "cpu" and weight.dtype in (torch.float32, torch.bfloat16)
     if not usable:
         return DenseLinear(weight, bias)
-    return KernelLinear(weight, bias, kernels, max_rows or MAX_KERNEL_ROWS["none"])
+    return KernelLinear(weight, bias, kernels, batch_invariant)
 
 
 def pack_linear_layers(model: nn.Module, quantization: str, kernels: ModuleType | None, native_of=None,

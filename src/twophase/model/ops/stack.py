@@ -3,8 +3,8 @@ layer loop of ``model/llama.py`` (bit-identical results), without ~12 Python-lev
 of the default model makes ~360 of them (~4 ms on a 2-core CPU); the stack makes one.
 
 It applies when every op of every layer has a kernel: float32 activations on CPU, the C++ attention backend, each
-projection behind a kernel (``kernel_op``), and at most ``MAX_STACK_ROWS`` tokens (beyond that some projections
-take ``F.linear``). Anything else — tensor-parallel wrappers, the torch attention reference, float64 or bfloat16 —
+projection behind a kernel (its ``op``: the ``LinearOp`` its Python layer calls too), and at most
+``MAX_STACK_ROWS`` tokens (beyond that some projections take ``F.linear``). Anything else — tensor-parallel wrappers, the torch attention reference, float64 or bfloat16 —
 runs the Python loop, which stays the reference. ``TWOPHASE_NO_STACK=1`` turns the stack off (A/B timing).
 """
 
@@ -51,16 +51,11 @@ def build_decoder_stack(model: Any, kernels: ModuleType | None) -> Any | None:
 def _stack_layer(layer: Any, kernels: ModuleType) -> Any | None:
     """One ``kernels.StackLayer``, or None if a projection has no kernel or a norm is not float32."""
     attn, mlp = layer.self_attn, layer.mlp
-    projections = [_kernel_op(m) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
+    projections = [getattr(m, "op", None) for m in (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]
     norms = (layer.input_layernorm.weight.data, layer.post_attention_layernorm.weight.data)
     if any(p is None for p in projections) or not _all_float32(*norms):
         return None
     return kernels.StackLayer(*norms, *projections)
-
-
-def _kernel_op(module: Any) -> Any | None:
-    kernel_op = getattr(module, "kernel_op", None)
-    return kernel_op() if kernel_op is not None else None
 
 
 def _all_float32(*tensors: torch.Tensor) -> bool:

@@ -12,9 +12,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear_int8", &tp::linear_int8, "y = (x @ wq.T) * scale + bias", py::arg("x"), py::arg("wq"),
         py::arg("scale"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false);
   m.def("linear_q8_0", &tp::linear_q8_0, "GGUF Q8_0 linear (x rounded to int8 blocks)", py::arg("x"), py::arg("qs"), py::arg("d"),
-        py::arg("bias") = py::none(), py::arg("batch_invariant") = false);
+        py::arg("bias") = py::none());
   m.def("linear_q4_1", &tp::linear_q4_1, "GGUF Q4_1 linear (x rounded to int8 blocks)", py::arg("x"), py::arg("qs"), py::arg("d"),
-        py::arg("m"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false);
+        py::arg("m"), py::arg("bias") = py::none());
   m.def("paged_attention", &tp::paged_attention, "varlen causal attention over a paged KV cache", py::arg("out"),
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("query_start_loc"), py::arg("block_size"), py::arg("scale"));

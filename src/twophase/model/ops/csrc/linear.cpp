@@ -380,7 +380,7 @@ const uint16_t* half_bits(const at::Tensor& t) { return reinterpret_cast<const u
 
 // Q8_0: qs int8 [N,K], d fp16 [N,K/32]; y = xq @ (d*q).T + bias, xq: x rounded to int8 blocks (XQ8).
 at::Tensor linear_q8_0(const at::Tensor& x_in, const at::Tensor& qs_in, const at::Tensor& d_in,
-                          const c10::optional<at::Tensor>& bias, bool) {  // always batch-invariant
+                          const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(qs_in.scalar_type() == at::kChar, "q8_0 qs must be int8");
   auto [N, K] = check_blocks(qs_in, d_in, QK);
   at::Tensor x = prep_x(x_in, K), qs = qs_in.contiguous(), d = d_in.contiguous(), y, bk;
@@ -393,7 +393,7 @@ at::Tensor linear_q8_0(const at::Tensor& x_in, const at::Tensor& qs_in, const at
 
 // Q4_1: qs uint8 [N,K/2] (GGUF nibble order per block), d, m fp16 [N,K/32]; y = xq @ (d*q+m).T + bias.
 at::Tensor linear_q4_1(const at::Tensor& x_in, const at::Tensor& qs_in, const at::Tensor& d_in,
-                          const at::Tensor& m_in, const c10::optional<at::Tensor>& bias, bool) {  // always invariant
+                          const at::Tensor& m_in, const c10::optional<at::Tensor>& bias) {
   TORCH_CHECK(qs_in.scalar_type() == at::kByte, "q4_1 qs must be uint8");
   auto [N, K] = check_blocks(qs_in, d_in, QK / 2);
   TORCH_CHECK(m_in.sizes() == d_in.sizes() && m_in.scalar_type() == at::kHalf, "m must match d");

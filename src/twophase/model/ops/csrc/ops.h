@@ -4,15 +4,15 @@
 #include <ATen/ATen.h>
 
 namespace tp {
-// batch_invariant: each output row summed in one order at every batch size (q8_0 / q4_1 always are).
+// batch_invariant: each output row summed in one order at every batch size (the block formats always are).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
                   bool batch_invariant);
 at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scale,
                        const c10::optional<at::Tensor>& bias, bool batch_invariant);
 at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
-                       const c10::optional<at::Tensor>& bias, bool batch_invariant);
+                       const c10::optional<at::Tensor>& bias);
 at::Tensor linear_q4_1(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
-                       const c10::optional<at::Tensor>& bias, bool batch_invariant);
+                       const c10::optional<at::Tensor>& bias);
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                      int64_t block_size, double scale);

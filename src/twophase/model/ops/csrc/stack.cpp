@@ -24,8 +24,8 @@ at::Tensor LinearOp::operator()(const at::Tensor& x) const {
   switch (kind_) {
     case Kind::Dense: return tp::linear(x, t_[0], bias_, batch_invariant_);
     case Kind::Int8: return tp::linear_int8(x, t_[0], t_[1], bias_, batch_invariant_);
-    case Kind::Q8_0: return tp::linear_q8_0(x, t_[0], t_[1], bias_, batch_invariant_);
-    case Kind::Q4_1: return tp::linear_q4_1(x, t_[0], t_[1], t_[2], bias_, batch_invariant_);
+    case Kind::Q8_0: return tp::linear_q8_0(x, t_[0], t_[1], bias_);  // batch-invariant at every M
+    case Kind::Q4_1: return tp::linear_q4_1(x, t_[0], t_[1], t_[2], bias_);
   }
   TORCH_CHECK(false, "LinearOp: bad kind");
 }

@@ -8,7 +8,8 @@
 namespace tp {
 
 // One projection y = x W^T + b as its Python layer packed it: "dense" (w fp32/bf16), "int8" (wq, scale),
-// "q8_0" (qs, d) or "q4_1" (qs, d, m) — the kernel's argument order.
+// "q8_0" (qs, d) or "q4_1" (qs, d, m) — the kernel's argument order. The Python linear layers call it too, so
+// the stack and the layer loop run one object per projection.
 class LinearOp {
  public:
   LinearOp(const std::string& kind, std::vector<at::Tensor> tensors, c10::optional<at::Tensor> bias,
