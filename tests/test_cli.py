@@ -54,3 +54,26 @@ def test_a_command_imports_only_the_modules_it_needs():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
+
+
+def test_one_shot_commands_exit_fast_only_when_nothing_is_left_running():
+    """The early exit skips the interpreter's teardown; it must not cut off a thread that is still working."""
+    import threading
+
+    from twophase.cli import _nothing_left_running
+
+    release = threading.Event()
+    worker = threading.Thread(target=release.wait)  # a non-daemon thread, as a writer would be
+    worker.start()
+    try:
+        assert not _nothing_left_running()
+    finally:
+        release.set()
+        worker.join()
+    assert _nothing_left_running()
+
+
+def test_a_failing_one_shot_command_still_prints_its_error_and_status(tmp_path):
+    result = run_cli("generate", "--model", str(tmp_path / "missing"), "hello")
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines()[-1].startswith("twophase: error:")

@@ -137,6 +137,25 @@ def test_q4_1_round_trip_exact() -> None:
     assert torch.equal(qs3, qs) and torch.equal(d3, d.half()) and torch.equal(m3, m.half())
 
 
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_dequantize_kernel_gives_the_torch_reference_bits(fmt: str) -> None:
+    """The load-time C++ dequantization of raw GGUF blocks equals quant.py's torch reference bit for bit, on random
+    blocks whose scales and mins span float16's range (subnormals, negatives, zero); Q4_1's sums round."""
+    g = torch.Generator().manual_seed(3)
+    n, k = 67, 320
+    w = torch.randn(n, k, generator=g) * torch.logspace(-6, 3, n)[:, None]
+    w[3] = 0.0  # an all-zero row: d = 0
+    packed = quantize_q8_0(w) if fmt == "q8_0" else quantize_q4_1(w)
+    halves = [t.view(n, k // 32, 1).view(torch.uint8) for t in packed[1:]]  # d (and m) as 2 bytes each
+    qs = packed[0].view(torch.uint8).view(n, k // 32, -1)
+    raw = torch.cat([*halves, qs], -1).reshape(-1)  # GGUF block order: d, (m,) quants
+    reference = dequantize_q8_0(*from_gguf_q8_0(raw, n, k)) if fmt == "q8_0" else dequantize_q4_1(*from_gguf_q4_1(raw, n, k))
+    assert torch.equal(reference, dequantize_q8_0(*packed) if fmt == "q8_0" else dequantize_q4_1(*packed))
+    assert torch.equal(K.dequantize_gguf(raw, fmt, n, k), reference)
+    with pytest.raises(RuntimeError, match="contiguous bytes"):
+        K.dequantize_gguf(raw[:-1], fmt, n, k)
+
+
 def _paged_case(cache_dtype: torch.dtype, block_size: int, seed: int):
     """Mixed batch: decode rows, prefill chunks starting at 0 and > 0, an idle request; shuffled blocks."""
     g = torch.Generator().manual_seed(seed)

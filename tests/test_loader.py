@@ -220,14 +220,21 @@ def test_gguf_index_cache_round_trip(llama_gguf: Path, tmp_path: Path) -> None:
 
 
 def test_real_smollm2_fast_dequantization_is_ggufs(default_model: Path) -> None:
-    """Q4_1 and Q8_0 tensors dequantised through torch equal ``gguf.dequantize`` bit for bit."""
+    """Q4_1 and Q8_0 tensors dequantised through torch, and through the C++ kernels where they build, equal
+    ``gguf.dequantize`` bit for bit."""
     import gguf
     import numpy as np
 
     from twophase.loader import gguf_reader
+    from twophase.model.ops.extension import load_kernels
 
+    kernels = load_kernels()
+    if kernels is None and os.environ.get("CI"):
+        raise RuntimeError("twophase C++ kernels failed to build (CI requires them)")
     tensors = gguf_reader.open_gguf(default_model).tensors
     for kind in ("Q4_1", "Q8_0"):
         tensor = next(t for t in tensors if t.tensor_type.name == kind)
         expected = np.asarray(gguf.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
         assert np.array_equal(gguf_reader.dequantize_tensor(tensor), expected), tensor.name
+        if kernels is not None:
+            assert np.array_equal(gguf_reader.dequantize_tensor(tensor, kernels), expected), tensor.name

@@ -191,24 +191,27 @@ def test_budget_policy_closed_form_floor_and_cap():
     linear = StepTimeModel([coefficients[n] for n in FEATURE_NAMES])
     running = [decoding(f"d{i}", 100) for i in range(10)]
     waiting = [Request("w", list(range(3000)), SamplingParams(max_tokens=4))]
-    policy = SloBudget(linear, itl_s=0.05, cap=4096, floor=32)
+    policy = SloBudget(linear, itl_s=0.05, cap=4096, floor=32, headroom=1.0)  # ratio 1: nothing observed yet
     # 50 ms = 2 ms + 10 × 0.1 ms + n × 50 µs → n = 940
     assert policy.step_budget(running, waiting) == 10 + 940
     assert policy.step_budget(running, []) == 4096  # no prompt to fill the step with
     assert policy.step_budget([], waiting) == 4096  # nothing decodes: the cap
     assert SloBudget(linear, itl_s=0.004, cap=4096, floor=32).step_budget(running, waiting) == 10 + 32  # the floor
     assert SloBudget(linear, itl_s=0.05, cap=512, floor=32).step_budget(running, waiting) == 512
+    # the default headroom aims at 90% of the objective: 45 ms = 3 ms + n × 50 µs → n = 840
+    assert SloBudget(linear, itl_s=0.05, cap=4096, floor=32).step_budget(running, waiting) == 10 + 840
     # quadratic (causal pairs from position 0): the largest n with predict ≤ ITL
     coefficients.update(prefill_attention_pairs=2e-8)
-    quadratic = SloBudget(StepTimeModel([coefficients[n] for n in FEATURE_NAMES]), itl_s=0.05, cap=4096, floor=1)
+    quadratic = SloBudget(StepTimeModel([coefficients[n] for n in FEATURE_NAMES]), itl_s=0.05, cap=4096, floor=1,
+                          headroom=1.0)
     chunk = quadratic.step_budget(running, waiting) - 10
     base = StepFeatures(decode_rows=10, decode_context_tokens=1000, sampled_rows=10)
     step = lambda n: quadratic.model.predict(StepFeatures(n, 1, chunk_attention_pairs(n, 0), 10, 1000, 11))  # noqa: E731
     assert step(chunk) <= 0.05 < step(chunk + 1) and quadratic.largest_chunk(base, 0) == chunk
-    # steps running twice as slow as predicted shrink the chunk
+    # steps running twice as slow as predicted shrink the chunk (every ratio 2: its quantile is 2)
     for _ in range(50):
         policy.observe(0.01, 0.02)
-    assert math.isclose(policy.ratio, 2.0, rel_tol=0.02)
+    assert policy.ratio == 2.0
     assert policy.step_budget(running, waiting) == 10 + math.floor((0.05 / policy.ratio - 3e-3) / 50e-6)
     assert FixedBudget(256).step_budget(running, waiting) == 256
 

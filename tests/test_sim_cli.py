@@ -77,6 +77,8 @@ def test_sim_sweep_picks_a_passing_configuration(step_model, tiny_llama_dir, cap
     (["sim", "--step-time-model", "x.json", "--goodput", "ttft:1", "--sweep", "budget=big"], "numbers or auto"),
     (["sim", "--step-time-model", "x.json", "--goodput", "ttft:1", "--sweep", "budget=auto"], "needs --slo-itl-ms"),
     (["serve", "--step-budget", "auto"], "--step-budget auto needs --slo-itl-ms"),
+    (["serve", "--slo-itl-headroom", "0"], "--slo-itl-headroom must be in (0, 1]"),
+    (["sim", "--step-time-model", "x.json", "--step-time-quantile", "2"], "--step-time-quantile must be in (0, 1]"),
     (["calibrate", "--budgets", "0"], "--budgets takes positive integers"),
 ])  # fmt: skip
 def test_bad_options_end_in_one_line(argv, message, tiny_llama_dir, step_model, capsys):

@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
+import multiprocessing
+import os
 import sys
+import threading
 
 from twophase.sampling_params import InvalidRequestError, SamplingParams
 
@@ -297,5 +301,35 @@ def _is_user_error(exc: Exception) -> bool:
     return isinstance(exc, user_errors)
 
 
+# commands that end when their output is printed: once nothing is left running they skip the interpreter's teardown
+ONE_SHOT_COMMANDS = ("generate", "chat", "pull")
+
+
+def run() -> None:
+    """Console entry point: ``main`` on ``sys.argv``, then the exit. A one-shot command with no child process or
+    non-daemon thread left exits at once after flushing its output: the interpreter's teardown of torch's modules
+    and the weights alone takes about a second on a 2-core machine (measured: 6.2 s -> 5.2 s wall for
+    ``twophase generate --max-tokens 8 "Hi"``)."""
+    argv = sys.argv[1:]
+    status = main(argv)
+    if argv and argv[0] in ONE_SHOT_COMMANDS and _nothing_left_running():
+        _exit_now(status)
+    sys.exit(status)
+
+
+def _nothing_left_running() -> bool:
+    """True when no child process and no non-daemon thread besides this one is alive (nothing to join at exit)."""
+    others = [t for t in threading.enumerate() if t is not threading.current_thread() and not t.daemon]
+    return not others and not multiprocessing.active_children()
+
+
+def _exit_now(status: int) -> None:
+    """Flush logs and standard streams, then end the process without the interpreter's teardown."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(status)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

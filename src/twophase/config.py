@@ -133,6 +133,8 @@ class SchedulerConfig:
     slo_itl_ms: float | None = None  # the inter-token-latency objective step_budget auto keeps each step within
     step_time_model: str | None = None  # step-time model file (`twophase calibrate`) for step_budget auto
     min_prefill_tokens: int = 32  # auto: the smallest prefill chunk while prompts wait
+    slo_itl_headroom: float = 0.9  # auto: fraction of slo_itl_ms a corrected step + gap aims at
+    step_time_quantile: float = 0.9  # auto: quantile of recent actual ÷ predicted ratios correcting the model
 
 
 @dataclass(frozen=True)

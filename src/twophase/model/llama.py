@@ -228,5 +228,8 @@ def _copy_shard(param: torch.Tensor, tensor: torch.Tensor, shard: str, config: M
     target = param.data if shard == "all" else param.data.narrow(0, *offsets[shard])
     if tuple(target.shape) != tuple(tensor.shape):
         raise ValueError(f"shape mismatch for {shard} of a {tuple(param.shape)} parameter: got {tuple(tensor.shape)}")
+    if shard == "all" and tensor.device == param.device and tensor.is_contiguous():
+        param.data = tensor.to(param.dtype)  # adopt the loaded tensor: no second copy of a whole weight
+        return
     with torch.no_grad():
         target.copy_(tensor.to(target.dtype))

@@ -70,6 +70,7 @@ def _cpu_signature() -> str:
     return "\n".join(dict.fromkeys(keep))  # first of each distinct line
 
 
+@functools.lru_cache(maxsize=1)
 def build_key() -> str:
     """Short hash of the sources, headers, torch version, Python ABI, flags and CPU."""
     h = hashlib.sha256()
@@ -158,6 +159,15 @@ def load_kernels() -> ModuleType | None:
     except Exception as exc:  # noqa: BLE001 - any build failure means "fall back to torch"
         log.warning("twophase C++ kernels unavailable (%s: %s); using plain torch", type(exc).__name__, exc)
         return None
+
+
+def built_kernels() -> ModuleType | None:
+    """The kernels module when it is already built, else ``None``: never compiles (for optional speed-ups such as
+    loading, which must not wait minutes for a build that the model runner may not want)."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        return None
+    directory = build_dir()
+    return load_kernels() if (directory / _DONE).exists() and (directory / f"{NAME}.so").exists() else None
 
 
 def kernels_available() -> bool:

@@ -1,7 +1,8 @@
-// The kernels' C++ entry points (defined in linear.cpp, attention.cpp, fused.cpp), shared by the Python
+// The kernels' C++ entry points (defined in linear.cpp, attention.cpp, fused.cpp, dequant.cpp), shared by the Python
 // bindings and the decoder stack (stack.cpp), which calls them without going through Python.
 #pragma once
 #include <ATen/ATen.h>
+#include <string>
 
 namespace tp {
 // batch_invariant: each output row summed in one order at every batch size (the block formats always are).
@@ -22,4 +23,6 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rotary_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, int64_t heads,
                    int64_t kv_heads);
+// raw GGUF Q8_0 / Q4_1 block bytes -> float32 [N, K], the same bits as quant.py's torch reference (load time)
+at::Tensor dequantize_gguf(const at::Tensor& raw, const std::string& fmt, int64_t n, int64_t k);
 }  // namespace tp
