@@ -226,6 +226,8 @@ def make_profile(args: argparse.Namespace) -> Profile:
         profile.loads = tuple(float(v) for v in args.loads.split(","))
     if args.seconds:
         profile.seconds = args.seconds
+    if args.sweep_load:
+        profile.sweep_load = args.sweep_load
     if args.measured_repeats < 1:
         raise ValueError(f"--measured-repeats must be at least 1, got {args.measured_repeats}")
     profile.measured_repeats = args.measured_repeats
@@ -1017,6 +1019,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--measured-repeats", type=int, default=1, metavar="N",
                    help="accuracy: measured runs per point, compared by their per-figure median (the issue's "
                    "accuracy claim: 3; default 1)")  # fmt: skip
+    p.add_argument("--sweep-load", type=float, default=None,
+                   help="sweep: fraction of the workload's capacity (default 0.85)")
     p.add_argument("--runs", type=int, default=None, help="auto test: interleaved runs per configuration")
     p.add_argument("--auto-itl-ms", type=float, default=None, help="auto test ITL objective (default: from model)")
     p.add_argument("--auto-ttft-ms", type=float, default=None, help="auto test TTFT objective (default: from model)")

@@ -139,8 +139,9 @@ def test_q4_1_round_trip_exact() -> None:
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
 def test_dequantize_kernel_gives_the_torch_reference_bits(fmt: str) -> None:
-    """The load-time C++ dequantization of raw GGUF blocks equals quant.py's torch reference bit for bit, on random
-    blocks whose scales and mins span float16's range (subnormals, negatives, zero); Q4_1's sums round."""
+    """The C++ dequantization, of raw GGUF blocks (load time) and of packed tensors (the F.linear path of large
+    batches), equals quant.py's torch reference bit for bit, on random blocks whose scales and mins span
+    float16's range (subnormals, negatives, zero); Q4_1's sums round."""
     g = torch.Generator().manual_seed(3)
     n, k = 67, 320
     w = torch.randn(n, k, generator=g) * torch.logspace(-6, 3, n)[:, None]
@@ -152,8 +153,11 @@ def test_dequantize_kernel_gives_the_torch_reference_bits(fmt: str) -> None:
     reference = dequantize_q8_0(*from_gguf_q8_0(raw, n, k)) if fmt == "q8_0" else dequantize_q4_1(*from_gguf_q4_1(raw, n, k))
     assert torch.equal(reference, dequantize_q8_0(*packed) if fmt == "q8_0" else dequantize_q4_1(*packed))
     assert torch.equal(K.dequantize_gguf(raw, fmt, n, k), reference)
+    assert torch.equal(K.dequantize_blocks(fmt, list(packed)), reference)
     with pytest.raises(RuntimeError, match="contiguous bytes"):
         K.dequantize_gguf(raw[:-1], fmt, n, k)
+    with pytest.raises(RuntimeError, match="float16"):
+        K.dequantize_blocks(fmt, [packed[0], *(t.float() for t in packed[1:])])
 
 
 def _paged_case(cache_dtype: torch.dtype, block_size: int, seed: int):

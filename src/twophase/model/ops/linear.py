@@ -95,9 +95,14 @@ class QuantizedLinear(DirectCallModule):
         self.packed = packed if packed is not None else quantize(weight, fmt)
         self.bias32 = None if bias is None else bias.float()
         self.op = None if kernels is None else kernels.LinearOp(fmt, list(self.packed), self.bias32, batch_invariant)
+        # the block formats' dequantisation for F.linear, once per call on large batches: one C++ pass (the same
+        # bits as the torch reference, which makes several passes over float32 temporaries) where it exists
+        self.dequantize_blocks = kernels.dequantize_blocks if kernels is not None and fmt in BLOCK_FORMATS else None
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] the quantized one stands for."""
+        if self.dequantize_blocks is not None:
+            return self.dequantize_blocks(self.fmt, list(self.packed))
         return dequantize(self.packed, self.fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]

@@ -3,6 +3,7 @@
 #pragma once
 #include <ATen/ATen.h>
 #include <string>
+#include <vector>
 
 namespace tp {
 // batch_invariant: each output row summed in one order at every batch size (the block formats always are).
@@ -23,6 +24,8 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up);
 void rotary_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, int64_t heads,
                    int64_t kv_heads);
-// raw GGUF Q8_0 / Q4_1 block bytes -> float32 [N, K], the same bits as quant.py's torch reference (load time)
+// Q8_0 / Q4_1 -> float32 [N, K], the same bits as quant.py's torch reference: from the file's raw block bytes
+// (load time), or from quant.py's packed tensors (qs, d[, m]).
 at::Tensor dequantize_gguf(const at::Tensor& raw, const std::string& fmt, int64_t n, int64_t k);
+at::Tensor dequantize_blocks(const std::string& fmt, const std::vector<at::Tensor>& packed);
 }  // namespace tp
