@@ -276,13 +276,14 @@ def dequantize_tensor(tensor: GGUFTensor, kernels: ModuleType | None = None) -> 
     fmt = NATIVE_FORMATS.get(tensor.tensor_type.name)
     if fmt is not None and len(tensor.shape) == 2:
         from twophase.model.ops import quant
+        from twophase.model.ops.linear import dequantize as dequantize_packed
 
         k, n = (int(x) for x in tensor.shape)
         raw = torch.from_numpy(np.array(tensor.data, copy=True).view(np.uint8).reshape(-1))
         if kernels is not None:
             return kernels.dequantize_gguf(raw, fmt, n, k).numpy()
         packed = quant.from_gguf_q8_0(raw, n, k) if fmt == "q8_0" else quant.from_gguf_q4_1(raw, n, k)
-        return (quant.dequantize_q8_0(*packed) if fmt == "q8_0" else quant.dequantize_q4_1(*packed)).numpy()
+        return dequantize_packed(packed, fmt).numpy()
     try:
         return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
     except Exception as exc:

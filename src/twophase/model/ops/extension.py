@@ -86,12 +86,16 @@ def build_dir() -> Path:
     return store_home() / "extensions" / f"{NAME}-{build_key()}"
 
 
+def _is_built(directory: Path) -> bool:
+    """Whether ``directory`` holds a finished build (its marker and the shared object)."""
+    return (directory / _DONE).exists() and (directory / f"{NAME}.so").exists()
+
+
 def _import_built(directory: Path) -> ModuleType | None:
     """Imports an already-built extension from ``directory``, or ``None`` when there is none."""
-    so = directory / f"{NAME}.so"
-    if not (directory / _DONE).exists() or not so.exists():
+    if not _is_built(directory):
         return None
-    spec = importlib.util.spec_from_file_location(NAME, so)
+    spec = importlib.util.spec_from_file_location(NAME, directory / f"{NAME}.so")
     if spec is None or spec.loader is None:
         return None
     module = importlib.util.module_from_spec(spec)
@@ -166,8 +170,7 @@ def built_kernels() -> ModuleType | None:
     loading, which must not wait minutes for a build that the model runner may not want)."""
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
         return None
-    directory = build_dir()
-    return load_kernels() if (directory / _DONE).exists() and (directory / f"{NAME}.so").exists() else None
+    return load_kernels() if _is_built(build_dir()) else None
 
 
 def kernels_available() -> bool:

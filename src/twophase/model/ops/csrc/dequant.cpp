@@ -78,21 +78,17 @@ at::Tensor dequantize_gguf(const at::Tensor& raw, const std::string& fmt, int64_
 }
 
 at::Tensor dequantize_blocks(const std::string& fmt, const std::vector<at::Tensor>& packed) {
-  TORCH_CHECK(packed.size() == (fmt == "q8_0" ? 2u : 3u), "dequantize_blocks: q8_0 takes (qs, d), q4_1 (qs, d, m)");
-  const at::Tensor& qs = packed[0];
-  const int64_t n = qs.size(0), k = fmt == "q4_1" ? qs.size(1) * 2 : qs.size(1);
-  check_format(fmt, k, "dequantize_blocks");
-  for (size_t i = 0; i < packed.size(); ++i) {
-    const bool scale = i > 0;
-    TORCH_CHECK(packed[i].is_contiguous() && packed[i].dim() == 2 && packed[i].size(0) == n,
-                "dequantize_blocks: contiguous [N, ...] tensors expected");
-    TORCH_CHECK(!scale || (packed[i].scalar_type() == at::kHalf && packed[i].size(1) == k / QK),
-                "dequantize_blocks: scales must be float16 [N, K/32]");
-  }
-  TORCH_CHECK(qs.element_size() == 1, "dequantize_blocks: qs must hold bytes");
-  const BlockLayout layout{bytes(qs), bytes(packed[1]), packed.size() > 2 ? bytes(packed[2]) : nullptr,
-                           fmt == "q8_0" ? QK : QK / 2, 2, 2};
-  return run(layout, fmt, n, k, qs);
+  check_format(fmt, QK, "dequantize_blocks");
+  const bool q8 = fmt == "q8_0";
+  TORCH_CHECK(packed.size() == (q8 ? 2u : 3u), "dequantize_blocks: q8_0 takes (qs, d), q4_1 (qs, d, m)");
+  TORCH_CHECK(packed[0].element_size() == 1, "dequantize_blocks: qs must hold bytes");
+  std::vector<at::Tensor> t;
+  for (const at::Tensor& p : packed) t.push_back(p.contiguous());
+  const int64_t bytes_per_block = q8 ? QK : QK / 2;
+  const auto [n, k] = check_blocks(t[0], t[1], bytes_per_block);
+  if (!q8) check_blocks(t[0], t[2], bytes_per_block);  // m: as d
+  const BlockLayout layout{bytes(t[0]), bytes(t[1]), q8 ? nullptr : bytes(t[2]), bytes_per_block, 2, 2};
+  return run(layout, fmt, n, k, t[0]);
 }
 
 }  // namespace tp

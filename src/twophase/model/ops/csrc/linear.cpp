@@ -367,6 +367,9 @@ at::Tensor linear_int8(const at::Tensor& x_in, const at::Tensor& wq_in, const at
 
 namespace {
 // Checks the block tensors of a GGUF-style weight; returns (N, K).
+const uint16_t* half_bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
+}  // namespace
+
 std::pair<int64_t, int64_t> check_blocks(const at::Tensor& qs, const at::Tensor& d, int64_t bytes_per_block) {
   TORCH_CHECK(qs.dim() == 2 && d.dim() == 2 && d.size(0) == qs.size(0), "qs [N, *] and d [N, K/32] expected");
   TORCH_CHECK(d.scalar_type() == at::kHalf, "block scales must be float16 (as GGUF stores them)");
@@ -374,9 +377,6 @@ std::pair<int64_t, int64_t> check_blocks(const at::Tensor& qs, const at::Tensor&
   TORCH_CHECK(qs.size(1) == nb * bytes_per_block, "qs must be [N, ", nb * bytes_per_block, "], got ", qs.sizes());
   return {N, nb * QK};
 }
-
-const uint16_t* half_bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
-}  // namespace
 
 // Q8_0: qs int8 [N,K], d fp16 [N,K/32]; y = xq @ (d*q).T + bias, xq: x rounded to int8 blocks (XQ8).
 at::Tensor linear_q8_0(const at::Tensor& x_in, const at::Tensor& qs_in, const at::Tensor& d_in,

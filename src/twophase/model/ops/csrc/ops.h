@@ -3,6 +3,7 @@
 #pragma once
 #include <ATen/ATen.h>
 #include <string>
+#include <utility>
 #include <vector>
 
 namespace tp {
@@ -28,4 +29,6 @@ void rotary_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
 // (load time), or from quant.py's packed tensors (qs, d[, m]).
 at::Tensor dequantize_gguf(const at::Tensor& raw, const std::string& fmt, int64_t n, int64_t k);
 at::Tensor dequantize_blocks(const std::string& fmt, const std::vector<at::Tensor>& packed);
+// (N, K) of packed block tensors qs [N, K/32 * bytes_per_block] and float16 d [N, K/32]; raises otherwise.
+std::pair<int64_t, int64_t> check_blocks(const at::Tensor& qs, const at::Tensor& d, int64_t bytes_per_block);
 }  // namespace tp
