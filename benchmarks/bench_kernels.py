@@ -1,5 +1,6 @@
-"""Kernel benchmark on this machine: memory bandwidth, small-M linear over SmolLM2-135M's 121 matrices, paged
-attention decode. Usage: ``python benchmarks/bench_kernels.py [--quick]``."""
+"""Kernel benchmark on this machine: memory bandwidth, small-M linear over SmolLM2-135M's 121 matrices,
+attention-free layer stacks (eager torch, torch.compile, our kernels), paged attention decode.
+Usage: ``python benchmarks/bench_kernels.py [--quick] [--compile] [--layers-only]``."""
 
 from __future__ import annotations
 
@@ -120,6 +121,69 @@ def crossover(kern, reps: int) -> None:
             print(f"{'':14s}{m:4d} " + " ".join(f"{t:10.0f}" for t in ts))
 
 
+def layer_weights(layers: int) -> list[tuple[torch.Tensor, ...]]:
+    """Per layer: (input norm, qkv, o, post-attention norm, gate_up, down) float32 weights, random."""
+    return [(torch.ones(HIDDEN), *make_weights(LAYER_SHAPES[:2]), torch.ones(HIDDEN), *make_weights(LAYER_SHAPES[2:]))
+            for _ in range(layers)]
+
+
+def torch_layers(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    """Attention-free decoder layers in plain torch ops, x [M, HIDDEN] → [M, HIDDEN]: RMSNorm, qkv, the q part
+    through o_proj (standing in for attention), residual add, RMSNorm, gate_up, SiLU·up, down, residual add."""
+    for norm1, qkv, o, norm2, gate_up, down in weights:
+        h = F.rms_norm(x, (HIDDEN,), norm1, 1e-5)
+        x = x + F.linear(F.linear(h, qkv)[:, :HIDDEN], o)
+        h = F.rms_norm(x, (HIDDEN,), norm2, 1e-5)
+        gate, up = F.linear(h, gate_up).chunk(2, dim=-1)
+        x = x + F.linear(F.silu(gate) * up, down)
+    return x
+
+
+def kernel_layers(kern, x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
+    """The same layers through our kernels, one Python call per op (the engine's C++ decoder stack makes the
+    same calls without Python in between)."""
+    residual = x.clone()
+    h = kern.rms_norm(residual, weights[0][0], 1e-5)
+    for i, (_, qkv, o, norm2, gate_up, down) in enumerate(weights):
+        a = kern.linear(kern.linear(h, qkv)[:, :HIDDEN].contiguous(), o)
+        kern.add_rms_norm_(a, residual, norm2, 1e-5)  # residual += attn; a = norm2(residual)
+        a = kern.linear(kern.silu_and_mul(kern.linear(a, gate_up)), down)
+        next_norm = weights[i + 1][0] if i + 1 < len(weights) else weights[0][0]
+        kern.add_rms_norm_(a, residual, next_norm, 1e-5)
+        h = a
+    return residual
+
+
+def bench_layer_stack(kern, layers: int, ms: list[int], bw: float, reps: int, compiled: bool) -> None:
+    """Attention-free float32 layer stacks: eager torch vs torch.compile (inductor, one graph per M) vs our
+    kernels; ms per pass and GB/s of weights (the floor is the read bandwidth)."""
+    weights = layer_weights(layers)
+    size = sum(nbytes(*w[1:3], *w[4:]) for w in weights)
+    print(f"\n== {layers} attention-free float32 layers ({size / 1e6:.0f} MB of matrices) ==")
+    print(f"{'variant':34s} " + " ".join(f"{'M=' + str(m):>22s}" for m in ms))
+    variants: dict[str, Callable] = {"eager torch": lambda x: torch_layers(x, weights)}
+    if compiled:
+        compiled_fn = torch.compile(torch_layers, dynamic=False)
+        variants["torch.compile (inductor)"] = lambda x: compiled_fn(x, weights)
+    if kern is not None:
+        variants["ours (kernels, Python per op)"] = lambda x: kernel_layers(kern, x, weights)
+    rows: dict[str, list[str]] = {name: [] for name in variants}
+    for m in ms:
+        x = torch.randn(m, HIDDEN)
+        with torch.inference_mode():
+            ref = torch_layers(x, weights)
+            for name, fn in variants.items():
+                t_first = time.perf_counter()
+                out = fn(x)  # compiles on the first call for each M
+                t_first = time.perf_counter() - t_first
+                assert torch.allclose(out, ref, rtol=1e-3, atol=1e-3), f"{name} disagrees with eager torch at M={m}"
+                t = best_time(lambda: fn(x), reps)
+                note = f" (1st {t_first:.0f}s)" if t_first > 1 else ""
+                rows[name].append(f"{t * 1e3:6.2f}ms {size / t / 1e9:5.1f}GB/s{note}")
+    for name, cells in rows.items():
+        print(f"{name:34s} " + " ".join(f"{c:>22s}" for c in cells))
+
+
 def paged_case(batch: int, ctx: int, dtype: torch.dtype, q_len: int = 1, block_size: int = 16):
     """A batch of `batch` requests with `ctx` tokens each and `q_len` new queries, shuffled blocks."""
     per = -(-ctx // block_size)
@@ -159,6 +223,9 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default: torch's)")
     ap.add_argument("--rows", default="1,8,32", help="batch rows (M) of the linear table, comma-separated")
     ap.add_argument("--linear-only", action="store_true", help="only the bandwidth and linear tables")
+    ap.add_argument("--layers-only", action="store_true", help="only the bandwidth and layer-stack tables")
+    ap.add_argument("--compile", action="store_true",
+                    help="add torch.compile (inductor) to the layer-stack table (compiles once per M: minutes)")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -167,8 +234,12 @@ def main() -> None:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, kernels: {kern is not None}")
     bw = read_bandwidth(args.reps + 2)
     print(f"read bandwidth (512 MiB sum): {bw:.1f} GB/s")
-    bench_linear(kern, layers, [int(m) for m in args.rows.split(",")], bw, args.reps)
-    if kern is not None and not args.linear_only:
+    rows = [int(m) for m in args.rows.split(",")]
+    if not args.layers_only:
+        bench_linear(kern, layers, rows, bw, args.reps)
+    if not args.linear_only:
+        bench_layer_stack(kern, layers, rows, bw, args.reps, args.compile)
+    if kern is not None and not (args.linear_only or args.layers_only):
         crossover(kern, args.reps)
         bench_attention(kern, bw, args.reps)
 

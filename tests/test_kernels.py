@@ -160,6 +160,21 @@ def test_dequantize_kernel_gives_the_torch_reference_bits(fmt: str) -> None:
         K.dequantize_blocks(fmt, [packed[0], *(t.float() for t in packed[1:])])
 
 
+def test_fake_quantize_kernel_gives_the_torch_reference_bits() -> None:
+    """The C++ rounding of activations to int8 blocks (the block formats' F.linear path) equals
+    quant.fake_quantize_activations bit for bit: values across many magnitudes, ties at .5 after scaling, an
+    all-zero block, a non-contiguous input; a K that is not a multiple of 32 is refused."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(37, 192, generator=g) * torch.logspace(-8, 4, 37)[:, None]
+    x[2, :32] = 0.0  # d = 0
+    x[4, :32] = torch.cat([torch.tensor([127.0]), torch.arange(-15, 16) + 0.5])  # d = 1: x / d ties at .5
+    assert torch.equal(K.fake_quantize_activations(x), fake_quantize_activations(x))
+    xt = torch.randn(192, 37, generator=g).t()  # non-contiguous
+    assert torch.equal(K.fake_quantize_activations(xt), fake_quantize_activations(xt.contiguous()))
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        K.fake_quantize_activations(torch.randn(4, 40))
+
+
 def _paged_case(cache_dtype: torch.dtype, block_size: int, seed: int):
     """Mixed batch: decode rows, prefill chunks starting at 0 and > 0, an idle request; shuffled blocks."""
     g = torch.Generator().manual_seed(seed)

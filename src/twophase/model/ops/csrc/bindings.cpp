@@ -27,6 +27,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("v_cache"), py::arg("slots"), py::arg("heads"), py::arg("kv_heads"));
   m.def("dequantize_gguf", &tp::dequantize_gguf, "raw GGUF q8_0 / q4_1 block bytes -> float32 [N, K]",
         py::arg("raw"), py::arg("fmt"), py::arg("n"), py::arg("k"));
+  m.def("fake_quantize_activations", &tp::fake_quantize_activations,
+        "float32 [T, K] rounded to int8 blocks of 32 (q * d), as the Q8_0 / Q4_1 kernels see it", py::arg("x"));
   m.def("dequantize_blocks", &tp::dequantize_blocks, "packed q8_0 (qs, d) / q4_1 (qs, d, m) -> float32 [N, K]",
         py::arg("fmt"), py::arg("packed"));
   py::class_<tp::LinearOp>(m, "LinearOp", "one projection as packed: dense (w), int8 (wq, scale), q8_0 (qs, d), q4_1 (qs, d, m)")

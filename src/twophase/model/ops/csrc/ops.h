@@ -14,6 +14,8 @@ at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& wq, const at::Tens
                        const c10::optional<at::Tensor>& bias, bool batch_invariant);
 at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const c10::optional<at::Tensor>& bias);
+// x float32 [T, K] rounded to int8 blocks of 32 (q * d), what the Q8_0 / Q4_1 kernels compute with.
+at::Tensor fake_quantize_activations(const at::Tensor& x);
 at::Tensor linear_q4_1(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d, const at::Tensor& m,
                        const c10::optional<at::Tensor>& bias);
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
