@@ -95,16 +95,14 @@ class QuantizedLinear(DirectCallModule):
         self.packed = packed if packed is not None else quantize(weight, fmt)
         self.bias32 = None if bias is None else bias.float()
         self.op = None if kernels is None else kernels.LinearOp(fmt, list(self.packed), self.bias32, batch_invariant)
-        # the block formats' dequantisation for F.linear, once per call on large batches: one C++ pass (the same
-        # bits as the torch reference, which makes several passes over float32 temporaries) where it exists
-        self.dequantize_blocks = kernels.dequantize_blocks if kernels is not None and fmt in BLOCK_FORMATS else None
-        # and the activations' rounding to int8 blocks for it: one C++ pass (the same bits) instead of ~8 torch ops
-        self.fake_quantize = kernels.fake_quantize_activations if self.dequantize_blocks is not None else None
+        # the block formats' F.linear path (large batches) rounds x and dequantises W on every call: one C++ pass
+        # each (the same bits as quant.py's torch reference, which makes several passes over float32 temporaries)
+        self.block_kernels = kernels if fmt in BLOCK_FORMATS else None
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] the quantized one stands for."""
-        if self.dequantize_blocks is not None:
-            return self.dequantize_blocks(self.fmt, list(self.packed))
+        if self.block_kernels is not None:
+            return self.block_kernels.dequantize_blocks(self.fmt, list(self.packed))
         return dequantize(self.packed, self.fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
@@ -118,9 +116,9 @@ class QuantizedLinear(DirectCallModule):
 
     def rounded_input(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32
         """``x`` as this layer's kernel sees it: rounded to int8 blocks for the block formats, else unchanged."""
-        if self.fmt not in BLOCK_FORMATS:
-            return x
-        return self.fake_quantize(x) if self.fake_quantize is not None else quant.fake_quantize_activations(x)
+        if self.block_kernels is not None:
+            return self.block_kernels.fake_quantize_activations(x)
+        return quant.fake_quantize_activations(x) if self.fmt in BLOCK_FORMATS else x
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

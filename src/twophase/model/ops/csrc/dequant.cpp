@@ -57,9 +57,8 @@ at::Tensor run(const BlockLayout& layout, const std::string& fmt, int64_t n, int
   return out;
 }
 
-void check_format(const std::string& fmt, int64_t k, const char* name) {
+void check_format(const std::string& fmt, const char* name) {
   TORCH_CHECK(fmt == "q8_0" || fmt == "q4_1", name, ": format must be q8_0 or q4_1, got ", fmt);
-  TORCH_CHECK(k % QK == 0, name, ": K must be a multiple of 32, got ", k);
 }
 
 const uint8_t* bytes(const at::Tensor& t) { return static_cast<const uint8_t*>(t.data_ptr()); }
@@ -67,7 +66,8 @@ const uint8_t* bytes(const at::Tensor& t) { return static_cast<const uint8_t*>(t
 }  // namespace
 
 at::Tensor dequantize_gguf(const at::Tensor& raw, const std::string& fmt, int64_t n, int64_t k) {
-  check_format(fmt, k, "dequantize_gguf");
+  check_format(fmt, "dequantize_gguf");
+  TORCH_CHECK(k % QK == 0, "dequantize_gguf: K must be a multiple of 32, got ", k);
   const int64_t blocks = n * (k / QK), block_bytes = fmt == "q8_0" ? 34 : 20;
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous() && raw.numel() == blocks * block_bytes,
               "dequantize_gguf: raw must be ", blocks * block_bytes, " contiguous bytes for [", n, ", ", k, "] ", fmt);
@@ -78,7 +78,7 @@ at::Tensor dequantize_gguf(const at::Tensor& raw, const std::string& fmt, int64_
 }
 
 at::Tensor dequantize_blocks(const std::string& fmt, const std::vector<at::Tensor>& packed) {
-  check_format(fmt, QK, "dequantize_blocks");
+  check_format(fmt, "dequantize_blocks");
   const bool q8 = fmt == "q8_0";
   TORCH_CHECK(packed.size() == (q8 ? 2u : 3u), "dequantize_blocks: q8_0 takes (qs, d), q4_1 (qs, d, m)");
   TORCH_CHECK(packed[0].element_size() == 1, "dequantize_blocks: qs must hold bytes");

@@ -257,15 +257,21 @@ struct Problem {
   float* y;             // [M, N]
 };
 
-// tile(xrows, n_index_array, out) computes one MR x NR tile; MR/NR chosen by M.
-template <int MR, int NR, class Tile>
-void run_tiles(const Problem& p, int64_t work_per_row, Tile tile) {
+struct NoRowHook {
+  void operator()(const int64_t*) const {}
+};
+
+// tile(xrows, n_index_array, out) computes one MR x NR tile; MR/NR chosen by M. starting_rows(rows) runs once per
+// NR weight rows, before their tiles (the block formats prefetch with it).
+template <int MR, int NR, class Tile, class RowHook = NoRowHook>
+void run_tiles(const Problem& p, int64_t work_per_row, Tile tile, RowHook starting_rows = {}) {
   const int64_t nblk = (p.N + NR - 1) / NR;
   const int64_t grain = std::max<int64_t>(1, 65536 / std::max<int64_t>(1, NR * work_per_row));
   at::parallel_for(0, nblk, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t bi = b0; bi < b1; ++bi) {
       int64_t rows[NR];
       for (int n = 0; n < NR; ++n) rows[n] = std::min(bi * NR + n, p.N - 1);
+      starting_rows(rows);
       for (int64_t m0 = 0; m0 < p.M; m0 += MR) {
         const float* xr[MR];
         int64_t ms[MR];
@@ -319,11 +325,6 @@ void q8_run(const Problem& p, const typename Q::T* q, const uint16_t* d, const u
       qr[n] = q + rows[n] * nb * Q::bytes_per_block;
       dr[n] = d + rows[n] * nb;
       mr[n] = mn ? mn + rows[n] * nb : nullptr;
-      if (ms[0] == 0 && rows[n] + ahead < p.N) {  // the row ahead: its blocks and their scales
-        prefetch_bytes(qr[n] + ahead * row_bytes, row_bytes);
-        prefetch_bytes(dr[n] + ahead * nb, nb * 2);
-        if (mn) prefetch_bytes(mr[n] + ahead * nb, nb * 2);
-      }
     }
     for (int m = 0; m < MR; ++m) {
       xr[m] = xq.q.data() + ms[m] * p.K;
@@ -331,6 +332,14 @@ void q8_run(const Problem& p, const typename Q::T* q, const uint16_t* d, const u
       xs[m] = xq.s.data() + ms[m] * nb;
     }
     q8_tile<Q, MR, NR>(xr, xd, xs, qr, dr, mr, nb, out);
+  }, [&](const int64_t* rows) {  // the rows `ahead` of these: their blocks, scales (and mins)
+    for (int n = 0; n < NR; ++n) {
+      const int64_t r = rows[n] + ahead;
+      if (r >= p.N) continue;
+      prefetch_bytes(q + r * row_bytes, row_bytes);
+      prefetch_bytes(d + r * nb, nb * 2);
+      if (mn) prefetch_bytes(mn + r * nb, nb * 2);
+    }
   });
 }
 
@@ -398,10 +407,11 @@ at::Tensor linear_int8(const at::Tensor& x_in, const at::Tensor& wq_in, const at
 }
 
 namespace {
-// Checks the block tensors of a GGUF-style weight; returns (N, K).
+// A float16 tensor's data as its bit patterns.
 const uint16_t* half_bits(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::Half>()); }
 }  // namespace
 
+// Checks the block tensors of a GGUF-style weight; returns (N, K).
 std::pair<int64_t, int64_t> check_blocks(const at::Tensor& qs, const at::Tensor& d, int64_t bytes_per_block) {
   TORCH_CHECK(qs.dim() == 2 && d.dim() == 2 && d.size(0) == qs.size(0), "qs [N, *] and d [N, K/32] expected");
   TORCH_CHECK(d.scalar_type() == at::kHalf, "block scales must be float16 (as GGUF stores them)");
