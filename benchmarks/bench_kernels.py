@@ -1,6 +1,6 @@
 """Kernel benchmark on this machine: memory bandwidth, small-M linear over SmolLM2-135M's 121 matrices,
 attention-free layer stacks (eager torch, torch.compile, our kernels), paged attention decode.
-Usage: ``python benchmarks/bench_kernels.py [--quick] [--compile] [--layers-only]``."""
+Usage: ``python benchmarks/bench_kernels.py [--quick] [--compile] [--layers-only] [--gemm]``."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from twophase.model.ops.extension import load_kernels
+from twophase.model.ops.linear import MAX_KERNEL_ROWS, PrepackedGemm
 from twophase.model.ops.quant import quantize_q4_1, quantize_q8_0
 from twophase.model.attention import reference_paged_attention
 
@@ -121,6 +122,31 @@ def crossover(kern, reps: int) -> None:
             print(f"{'':14s}{m:4d} " + " ".join(f"{t:10.0f}" for t in ts))
 
 
+def bench_gemm(kern, layers: int, reps: int) -> None:
+    """Where float32 layers leave our kernel for a GEMM: the layer matrices (no LM head) at growing M, our kernel
+    vs the engine's PrepackedGemm vs F.linear, each pass timed interleaved; median ms of ``reps`` passes."""
+    weights = make_weights(LAYER_SHAPES * layers)
+    gemms = [PrepackedGemm(w, None) for w in weights]
+    print(f"\n== float32 GEMM crossover: {len(weights)} layer matrices, median ms "
+          f"(the engine switches beyond {MAX_KERNEL_ROWS['none']} rows) ==")
+    print(f"{'M':>5s} {'ours':>9s} {'prepacked':>10s} {'F.linear':>9s} {'ours/prepacked':>15s} {'F.linear/prepacked':>19s}")
+    for m in (16, 32, 48, 64, 96, 128, 256, 512):
+        xs = {HIDDEN: torch.randn(m, HIDDEN), INTER: torch.randn(m, INTER)}
+        calls = [lambda: [kern.linear(xs[w.shape[1]], w) for w in weights],
+                 lambda: [g(xs[w.shape[1]]) for w, g in zip(weights, gemms)],
+                 lambda: [F.linear(xs[w.shape[1]], w) for w in weights]]
+        times: list[list[float]] = [[], [], []]
+        for f in calls:
+            f()  # warm-up (and the first call packs)
+        for _ in range(reps):
+            for f, ts in zip(calls, times):
+                t0 = time.perf_counter()
+                f()
+                ts.append(time.perf_counter() - t0)
+        ours, packed, plain = (sorted(ts)[len(ts) // 2] * 1e3 for ts in times)
+        print(f"{m:5d} {ours:9.1f} {packed:10.1f} {plain:9.1f} {ours / packed:15.2f} {plain / packed:19.2f}")
+
+
 def layer_weights(layers: int) -> list[tuple[torch.Tensor, ...]]:
     """Per layer: (input norm, qkv, o, post-attention norm, gate_up, down) float32 weights, random."""
     return [(torch.ones(HIDDEN), *make_weights(LAYER_SHAPES[:2]), torch.ones(HIDDEN), *make_weights(LAYER_SHAPES[2:]))
@@ -224,6 +250,7 @@ def main() -> None:
     ap.add_argument("--rows", default="1,8,32", help="batch rows (M) of the linear table, comma-separated")
     ap.add_argument("--linear-only", action="store_true", help="only the bandwidth and linear tables")
     ap.add_argument("--layers-only", action="store_true", help="only the bandwidth and layer-stack tables")
+    ap.add_argument("--gemm", action="store_true", help="only the bandwidth and float32 GEMM crossover tables")
     ap.add_argument("--compile", action="store_true",
                     help="add torch.compile (inductor) to the layer-stack table (compiles once per M: minutes)")
     args = ap.parse_args()
@@ -235,6 +262,8 @@ def main() -> None:
     bw = read_bandwidth(args.reps + 2)
     print(f"read bandwidth (512 MiB sum): {bw:.1f} GB/s")
     rows = [int(m) for m in args.rows.split(",")]
+    if args.gemm:
+        return bench_gemm(kern, layers, max(args.reps, 5))
     if not args.layers_only:
         bench_linear(kern, layers, rows, bw, args.reps)
     if not args.linear_only:

@@ -19,6 +19,7 @@ from prerequisites import in_ci
 from test_parity_hf import PROMPTS, packed_logits
 from twophase import LLM, SamplingParams
 from twophase.model.ops.extension import load_kernels
+from twophase.model.ops.linear import MAX_KERNEL_ROWS, KernelLinear, PrepackedGemm
 from twophase.model.ops.stack import MAX_STACK_ROWS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
@@ -49,6 +50,37 @@ def test_fp32_kernels_match_float64_reference(fixture, request):
         torch.testing.assert_close(ours, theirs.float(), rtol=1e-4, atol=1e-4)
     plain = make_llm(path, dtype="float32", attention_backend="torch", linear_backend="torch")
     assert [o.token_ids for o in fast.generate(PROMPTS, GREEDY)] == [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_prepacked_gemm_matches_f_linear(bias):
+    """The large-batch float32 path (oneDNN on its reordered copy) against F.linear: float32 sums in another
+    order, so within float32 rounding of a K=96 dot product."""
+    if not PrepackedGemm.available(torch.zeros(1)):
+        pytest.skip("this torch build has no oneDNN")
+    torch.manual_seed(0)
+    weight, b = torch.randn(40, 96), torch.randn(40) if bias else None
+    gemm = PrepackedGemm(weight, b)
+    for rows in (1, 33, 200):
+        x = torch.randn(rows, 96)
+        torch.testing.assert_close(gemm(x), torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-4)
+    assert gemm.packed is not None and gemm.packed.layout == torch._mkldnn
+
+
+def test_long_prompts_leave_the_kernel_for_the_prepacked_gemm(tiny_llama_dir):
+    """A prompt longer than the float32 kernel's row limit runs every projection through PrepackedGemm (packed on
+    that first use), with logits still within the float64 reference's tolerance; batch-invariant runs never do."""
+    prompt = [[(5 * i) % 60 + 2 for i in range(MAX_KERNEL_ROWS["none"] + 9)]]
+    fast = make_llm(tiny_llama_dir, dtype="float32")
+    layers = [m for m in fast.engine.model_runner.model.modules() if isinstance(m, KernelLinear)]
+    assert layers and all(layer.gemm is not None and layer.gemm.packed is None for layer in layers)
+    reference = make_llm(tiny_llama_dir, dtype="float64", attention_backend="torch", linear_backend="torch")
+    torch.testing.assert_close(packed_logits(fast, prompt)[0], packed_logits(reference, prompt)[0].float(),
+                               rtol=1e-4, atol=1e-4)
+    projections = [layer for layer in layers if layer is not fast.engine.model_runner.model.logits_head]
+    assert all(layer.gemm.packed is not None for layer in projections)
+    invariant = make_llm(tiny_llama_dir, dtype="float32", deterministic=True)
+    assert all(m.gemm is None for m in invariant.engine.model_runner.model.modules() if isinstance(m, KernelLinear))
 
 
 @pytest.mark.parametrize("quantization", ["int8", "q8_0", "q4_1"])

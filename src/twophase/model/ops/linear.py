@@ -5,7 +5,9 @@ Methods (``--quantization`` picks the weight format, the C++ kernels make it fas
 
 - ``dense``: ``F.linear`` on the weight as loaded — the reference every other method is tested against.
 - ``kernel``: the same float32/bfloat16 weight through our small-M kernel (each weight row streamed once for all
-  rows of the batch, at memory bandwidth); rows beyond ``max_kernel_rows`` go to ``F.linear`` (GEMM-bound).
+  rows of the batch, at memory bandwidth); rows beyond ``MAX_KERNEL_ROWS`` go to a GEMM: for float32 weights
+  oneDNN's, on a copy of the weight packed into its blocked layout on the first such batch (``PrepackedGemm``,
+  what inductor's ``freezing`` uses), else ``F.linear``.
 - ``int8``: weight-only int8 with one float32 scale per output channel (symmetric, round to nearest).
 - ``q8_0`` / ``q4_1``: GGUF's block formats (32 weights per block: ``d·q`` / ``d·q + m``), executed without
   dequantising to a full-precision copy. As in llama.cpp, activations are rounded to int8 blocks of 32 first
@@ -34,10 +36,12 @@ from twophase.model.ops import quant
 
 QUANTIZATIONS = ("none", "int8", "q8_0", "q4_1", "gguf")  # gguf: each weight in the block format it is stored in
 BLOCK_FORMATS = ("q8_0", "q4_1")  # GGUF blocks of 32: executed with int8 activation blocks
-# Beyond this many rows a GEMM (F.linear on float32 weights) beats streaming the weight per row tile. Measured
-# over SmolLM2-135M's 121 matrices on a 2-core Zen 3 (benchmarks/bench_kernels.py): every kernel still wins at
-# 128 rows (the block formats' F.linear path also pays a dequantisation per call), and ties at 512.
-MAX_KERNEL_ROWS = {"none": 128, "int8": 128, "q8_0": 128, "q4_1": 128}
+# Beyond this many rows a GEMM beats streaming the weight per row tile. Measured over SmolLM2-135M's 120 layer
+# matrices on a 2-core Zen 3: float32 against oneDNN's prepacked GEMM (benchmarks/bench_kernels.py --gemm, two
+# runs), our time over its 0.88-0.90x at 16 rows, 0.97-1.01x at 32, 0.97-1.19x at 48, 1.03-1.11x at 64, 1.14-1.39x
+# at 128; the other formats against F.linear on the dequantised weight (which also pays a dequantisation per
+# call), every kernel still winning at 128 rows.
+MAX_KERNEL_ROWS = {"none": 32, "int8": 128, "q8_0": 128, "q4_1": 128}
 
 
 def kernel_row_limit(fmt: str, batch_invariant: bool) -> float:
@@ -60,9 +64,38 @@ class DenseLinear(DirectCallModule):
         return F.linear(x, self.weight, self.bias)
 
 
+# The batch size oneDNN packs for: a hint, any batch runs. Packed for 32 or 512 rows, 128- and 512-row batches ran
+# alike; packed for 1 row, up to 12% slower.
+GEMM_PACK_ROWS = 32
+
+
+class PrepackedGemm:
+    """oneDNN's float32 GEMM on a copy of the weight reordered into its blocked layout
+    (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what inductor's ``freezing`` compiles
+    to). Made on first use, so that start-up and batch-1 decode never pay for the copy (one more float32 weight in
+    memory, ~0.45 s to pack SmolLM2-135M's 120 layer matrices). 17-35% less time than ``F.linear`` over those
+    matrices at 64-512 rows on a 2-core Zen 3 (``benchmarks/bench_kernels.py --gemm``, two runs)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.weight, self.bias = weight, bias  # [out, in] float32, [out] float32 or None
+        self.packed: torch.Tensor | None = None  # opaque oneDNN tensor, [out, in] logically
+
+    @staticmethod
+    def available(weight: torch.Tensor) -> bool:
+        """Whether this torch build has the prepacked GEMM for ``weight`` (float32 on the CPU)."""
+        return (weight.dtype == torch.float32 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
+                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32 -> [T, out]
+        """y = x Wᵀ + b."""
+        if self.packed is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, GEMM_PACK_ROWS)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
 class KernelLinear(DenseLinear):
     """float32 / bfloat16 weight, small batches through the streaming kernel (``op``, the C++ ``LinearOp`` the
-    decoder stack calls too), large ones through F.linear."""
+    decoder stack calls too), large ones through a GEMM (``PrepackedGemm`` for float32 weights, else F.linear)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: ModuleType,
                  batch_invariant: bool = False) -> None:  # fmt: skip
@@ -70,9 +103,13 @@ class KernelLinear(DenseLinear):
         self.max_rows = kernel_row_limit("none", batch_invariant)
         bias32 = None if bias is None else bias.float()
         self.op = kernels.LinearOp("dense", [self.weight], bias32, batch_invariant)
+        usable = not batch_invariant and PrepackedGemm.available(self.weight)
+        self.gemm = PrepackedGemm(self.weight, bias32) if usable else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         """y = x Wᵀ + b (float32 accumulation in the kernel)."""
+        if x.shape[0] > self.max_rows and self.gemm is not None and x.dtype == torch.float32:
+            return self.gemm(x)
         if x.shape[0] > self.max_rows or x.dtype == torch.float64:
             return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if x.dtype == torch.float32:  # the common case, without no-op conversions (each costs a dispatch)
@@ -119,6 +156,12 @@ class QuantizedLinear(DirectCallModule):
         if self.block_kernels is not None:
             return self.block_kernels.fake_quantize_activations(x)
         return quant.fake_quantize_activations(x) if self.fmt in BLOCK_FORMATS else x
+
+
+def deferred_gemm_bytes(model: nn.Module) -> int:
+    """Bytes the ``PrepackedGemm`` copies of ``model``'s layers will take once large batches have packed them (the
+    KV cache is sized leaving this much free)."""
+    return sum(m.weight.nbytes for m in model.modules() if isinstance(m, KernelLinear) and m.gemm is not None)
 
 
 def quantize_int8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
