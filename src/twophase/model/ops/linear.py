@@ -87,9 +87,14 @@ class PrepackedGemm:
                 and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32 -> [T, out]
-        """y = x Wᵀ + b."""
+        """y = x Wᵀ + b (``F.linear`` from then on if this build cannot reorder the weight)."""
         if self.packed is None:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, GEMM_PACK_ROWS)
+            try:
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, GEMM_PACK_ROWS)
+            except RuntimeError:  # an op registered for a CPU it does not support
+                self.packed = self.weight
+        if self.packed is self.weight:
+            return F.linear(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
