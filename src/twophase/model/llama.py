@@ -95,7 +95,7 @@ class LlamaForCausalLM(nn.Module):
         self.ops = LayerOps()  # eager torch until ``pack`` hands over the kernels
         self.stack: Any = None  # the C++ decoder stack (``ops/stack.py``): None until built, False if it cannot be
         self.stack_caches: list | None = None  # the KV cache list the stack holds
-        self.stack_max_rows: float = MAX_STACK_ROWS  # beyond: the Python loop (projections there use F.linear)
+        self.stack_max_rows: float = MAX_STACK_ROWS  # beyond: the Python loop (projections there use a GEMM)
 
     def forward(
         self,

@@ -4,7 +4,7 @@ of the default model makes ~360 of them (~4 ms on a 2-core CPU); the stack makes
 
 It applies when every op of every layer has a kernel: float32 activations on CPU, the C++ attention backend, each
 projection behind a kernel (its ``op``: the ``LinearOp`` its Python layer calls too), and at most
-``MAX_STACK_ROWS`` tokens (beyond that some projections take ``F.linear``). Anything else — tensor-parallel wrappers, the torch attention reference, float64 or bfloat16 —
+``MAX_STACK_ROWS`` tokens (beyond that some projections take a GEMM instead of their kernel). Anything else — tensor-parallel wrappers, the torch attention reference, float64 or bfloat16 —
 runs the Python loop, which stays the reference. ``TWOPHASE_NO_STACK=1`` turns the stack off (A/B timing).
 """
 
