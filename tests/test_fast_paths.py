@@ -123,6 +123,17 @@ def test_decoder_stack_stands_aside_where_an_op_has_no_kernel(tiny_llama_dir):
     assert wide.engine.model_runner.model.stack is None and logits.shape[0] == MAX_STACK_ROWS + 5
 
 
+def test_decoder_stack_takes_as_many_rows_as_every_projection_kernel(tiny_llama_dir):
+    """The stack's row limit is the least of its projections' kernel limits: float32 hands batches over 32 rows to
+    the prepacked GEMM, the block formats keep their kernels to 128 rows, --deterministic keeps every batch."""
+    limits = {
+        "none": make_llm(tiny_llama_dir, dtype="float32").engine.model_runner.model.stack_max_rows,
+        "q8_0": make_llm(tiny_llama_dir, dtype="float32", quantization="q8_0").engine.model_runner.model.stack_max_rows,
+        "deterministic": make_llm(tiny_llama_dir, dtype="float32", deterministic=True).engine.model_runner.model.stack_max_rows,
+    }
+    assert limits == {"none": MAX_KERNEL_ROWS["none"], "q8_0": MAX_KERNEL_ROWS["q8_0"], "deterministic": float("inf")}
+
+
 @pytest.mark.parametrize("quantization", ["none", "q4_1"])
 def test_deterministic_logprobs_do_not_depend_on_the_batch(tiny_llama_dir, quantization):
     """``deterministic``: each prompt alone, all together under a 7-token budget (chunked prefill beside decode rows),

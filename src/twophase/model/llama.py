@@ -16,7 +16,7 @@ from twophase.config import ModelConfig
 from twophase.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from twophase.model.layers import DirectCallModule, RMSNorm, RotaryEmbedding
 from twophase.model.ops.fused import LayerOps, Rope
-from twophase.model.ops.stack import MAX_STACK_ROWS, build_decoder_stack
+from twophase.model.ops.stack import MAX_STACK_ROWS, build_decoder_stack, stack_row_limit
 
 
 class LlamaAttention(DirectCallModule):
@@ -164,9 +164,9 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None
         self.ops = LayerOps(kernels)
         self.stack, self.stack_caches = None, None  # rebuilt over the packed layers on first use
-        self.stack_max_rows = math.inf if batch_invariant else MAX_STACK_ROWS
         pack_linear_layers(self.layers, quantization, kernels, lambda name: _fused_native(native, f"layers.{name}"),
                            batch_invariant)
+        self.stack_max_rows = stack_row_limit(self.layers)  # inf when batch-invariant (every kernel takes any batch)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises on missing or unexpected names."""

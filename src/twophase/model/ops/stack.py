@@ -4,7 +4,8 @@ of the default model makes ~360 of them (~4 ms on a 2-core CPU); the stack makes
 
 It applies when every op of every layer has a kernel: float32 activations on CPU, the C++ attention backend, each
 projection behind a kernel (its ``op``: the ``LinearOp`` its Python layer calls too), and at most
-``MAX_STACK_ROWS`` tokens (beyond that some projections take a GEMM instead of their kernel). Anything else — tensor-parallel wrappers, the torch attention reference, float64 or bfloat16 —
+as many tokens as every projection's kernel takes (``stack_row_limit``: beyond that some projections take a GEMM
+instead of their kernel). Anything else — tensor-parallel wrappers, the torch attention reference, float64 or bfloat16 —
 runs the Python loop, which stays the reference. ``TWOPHASE_NO_STACK=1`` turns the stack off (A/B timing).
 """
 
@@ -20,7 +21,14 @@ from twophase.model.attention import KernelPagedAttention
 from twophase.model.ops.linear import MAX_KERNEL_ROWS
 
 DISABLE_ENV = "TWOPHASE_NO_STACK"
-MAX_STACK_ROWS = min(MAX_KERNEL_ROWS.values())  # every projection runs its kernel up to here
+MAX_STACK_ROWS = min(MAX_KERNEL_ROWS.values())  # every projection of any format runs its kernel up to here
+
+
+def stack_row_limit(layers: torch.nn.Module) -> float:
+    """Tokens up to which every projection in ``layers`` runs its kernel (the decoder stack's limit): the least
+    ``max_rows`` of the packed projections, ``MAX_STACK_ROWS`` if none is packed."""
+    limits = [m.max_rows for m in layers.modules() if getattr(m, "op", None) is not None and hasattr(m, "max_rows")]
+    return min(limits, default=MAX_STACK_ROWS)
 
 
 def stack_enabled() -> bool:
