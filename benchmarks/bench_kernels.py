@@ -57,6 +57,9 @@ def linear_variants(kern, weights: list[torch.Tensor], ms: list[int]) -> dict[st
     v: dict[str, tuple[list, Callable]] = {
         "torch F.linear fp32": ([(w,) for w in weights], lambda x, w: F.linear(x, w)),
     }
+    if PrepackedGemm.available(weights[0]):  # the engine's large-batch GEMM (packed on its first call)
+        gemms = {id(w): PrepackedGemm(w, None) for w in weights}
+        v["prepacked fp32 (oneDNN)"] = ([(w,) for w in weights], lambda x, w: gemms[id(w)](x))
     if kern is not None:
         v["ours fp32"] = ([(w,) for w in weights], lambda x, w: kern.linear(x, w))
         v["ours bf16"] = ([(w.bfloat16(),) for w in weights], lambda x, w: kern.linear(x, w))
@@ -76,16 +79,12 @@ def bench_linear(kern, layers: int, ms: list[int], bw: float, reps: int) -> None
     print(f"\n== linear over {len(weights)} matrices (SmolLM2-135M, {layers} layers) ==")
     print(f"{'variant':28s} " + " ".join(f"{'M=' + str(m):>24s}" for m in ms))
     variants = linear_variants(kern, weights, ms)
-    variants["mkldnn prepacked fp32"] = ([], None)  # packed per M below (packing takes the batch size)
     best = {(name, m): float("inf") for name in variants for m in ms}
     for m in ms:
         xs = {HIDDEN: torch.randn(m, HIDDEN), INTER: torch.randn(m, INTER)}
-        packed = [(w, torch.ops.mkldnn._reorder_linear_weight(w, m)) for w in weights]
         calls = {name: (lambda args=args, fn=fn: [fn(xs[a[0].shape[1] * (2 if a[0].dtype == torch.uint8 else 1)],
                                                      *a) for a in args])
                  for name, (args, fn) in variants.items() if fn is not None}
-        calls["mkldnn prepacked fp32"] = lambda: [
-            torch.ops.mkldnn._linear_pointwise(xs[w.shape[1]], p, None, "none", [], "") for w, p in packed]
         if m > 8:  # no AVX2 path: tens of seconds per pass
             calls.pop("torch _weight_int8pack_mm", None)
         for f in calls.values():
@@ -95,9 +94,8 @@ def bench_linear(kern, layers: int, ms: list[int], bw: float, reps: int) -> None
                 t0 = time.perf_counter()
                 f()
                 best[name, m] = min(best[name, m], time.perf_counter() - t0)
-        del packed
     for name, (args, _) in variants.items():
-        size = sum(nbytes(*a) for a in args) if args else sum(nbytes(w) for w in weights)
+        size = sum(nbytes(*a) for a in args)
         cells = []
         for m in ms:
             t = best[name, m]
@@ -107,18 +105,19 @@ def bench_linear(kern, layers: int, ms: list[int], bw: float, reps: int) -> None
 
 
 def crossover(kern, reps: int) -> None:
-    """Per-M timing of ours vs torch vs mkldnn on the 576x1536 down projection and 3072x576 gate_up."""
+    """Per-M timing of ours vs torch vs the engine's prepacked oneDNN GEMM on the 576x1536 down projection and
+    3072x576 gate_up."""
     print("\n== crossover: one matrix, us per call ==")
     for n, k in [(2 * INTER, HIDDEN), (HIDDEN, INTER)]:
         w = torch.randn(n, k)
         wb = w.bfloat16()
-        print(f"[{n}x{k}]  {'M':>4s} {'ours fp32':>10s} {'ours bf16':>10s} {'F.linear':>10s} {'mkldnn':>10s}")
+        gemm = PrepackedGemm(w, None)
+        print(f"[{n}x{k}]  {'M':>4s} {'ours fp32':>10s} {'ours bf16':>10s} {'F.linear':>10s} {'prepacked':>10s}")
         for m in (1, 2, 4, 8, 16, 32, 64, 128):
             x = torch.randn(m, k)
-            p = torch.ops.mkldnn._reorder_linear_weight(w, m)
             ts = [best_time(f, reps * 5) * 1e6 for f in (
                 lambda: kern.linear(x, w), lambda: kern.linear(x, wb), lambda: F.linear(x, w),
-                lambda: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [], ""))]
+                lambda: gemm(x))]
             print(f"{'':14s}{m:4d} " + " ".join(f"{t:10.0f}" for t in ts))
 
 

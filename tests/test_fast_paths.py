@@ -20,7 +20,6 @@ from test_parity_hf import PROMPTS, packed_logits
 from twophase import LLM, SamplingParams
 from twophase.model.ops.extension import load_kernels
 from twophase.model.ops.linear import MAX_KERNEL_ROWS, KernelLinear, PrepackedGemm
-from twophase.model.ops.stack import MAX_STACK_ROWS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -117,10 +116,11 @@ def test_decoder_stack_stands_aside_where_an_op_has_no_kernel(tiny_llama_dir):
     packed_logits(reference, PROMPTS)
     assert reference.engine.model_runner.model.stack is False
     wide = make_llm(tiny_llama_dir, dtype="float32")
-    long_prompt = [[(7 * i) % 50 + 3 for i in range(MAX_STACK_ROWS + 5)]]
+    limit = wide.engine.model_runner.model.stack_max_rows
+    long_prompt = [[(7 * i) % 50 + 3 for i in range(limit + 5)]]
     wide.engine.model_runner.model.stack = None
     logits = packed_logits(wide, long_prompt)[0]  # [tokens, vocab]
-    assert wide.engine.model_runner.model.stack is None and logits.shape[0] == MAX_STACK_ROWS + 5
+    assert wide.engine.model_runner.model.stack is None and logits.shape[0] == limit + 5
 
 
 def test_decoder_stack_takes_as_many_rows_as_every_projection_kernel(tiny_llama_dir):

@@ -16,7 +16,7 @@ from twophase.config import ModelConfig
 from twophase.model.attention import AttentionBackend, AttentionMetadata, TorchPagedAttention
 from twophase.model.layers import DirectCallModule, RMSNorm, RotaryEmbedding
 from twophase.model.ops.fused import LayerOps, Rope
-from twophase.model.ops.stack import MAX_STACK_ROWS, build_decoder_stack, stack_row_limit
+from twophase.model.ops.stack import build_decoder_stack, stack_row_limit
 
 
 class LlamaAttention(DirectCallModule):
@@ -95,7 +95,7 @@ class LlamaForCausalLM(nn.Module):
         self.ops = LayerOps()  # eager torch until ``pack`` hands over the kernels
         self.stack: Any = None  # the C++ decoder stack (``ops/stack.py``): None until built, False if it cannot be
         self.stack_caches: list | None = None  # the KV cache list the stack holds
-        self.stack_max_rows: float = MAX_STACK_ROWS  # beyond: the Python loop (projections there use a GEMM)
+        self.stack_max_rows: float = 0  # set by ``pack``; beyond: the Python loop (projections there use a GEMM)
 
     def forward(
         self,

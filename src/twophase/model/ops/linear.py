@@ -24,6 +24,7 @@ Without the kernels every method still runs (plain torch: dequantise then ``F.li
 
 from __future__ import annotations
 
+import functools
 import math
 from types import ModuleType
 
@@ -82,20 +83,26 @@ class PrepackedGemm:
 
     @staticmethod
     def available(weight: torch.Tensor) -> bool:
-        """Whether this torch build has the prepacked GEMM for ``weight`` (float32 on the CPU)."""
-        return (weight.dtype == torch.float32 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-                and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
+        """Whether the prepacked GEMM runs ``weight`` here (float32 on a CPU this torch build can reorder for)."""
+        return weight.dtype == torch.float32 and weight.device.type == "cpu" and _can_reorder()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32 -> [T, out]
-        """y = x Wᵀ + b (``F.linear`` from then on if this build cannot reorder the weight)."""
+        """y = x Wᵀ + b."""
         if self.packed is None:
-            try:
-                self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, GEMM_PACK_ROWS)
-            except RuntimeError:  # an op registered for a CPU it does not support
-                self.packed = self.weight
-        if self.packed is self.weight:
-            return F.linear(x, self.weight, self.bias)
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight, GEMM_PACK_ROWS)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+@functools.cache
+def _can_reorder() -> bool:
+    """Whether this torch build has oneDNN's reorder and it runs on this CPU (tried once on a small weight)."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+        return False
+    try:
+        torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8), GEMM_PACK_ROWS)
+    except RuntimeError:  # an op registered for a CPU it does not support
+        return False
+    return True
 
 
 class KernelLinear(DenseLinear):
@@ -113,13 +120,18 @@ class KernelLinear(DenseLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         """y = x Wᵀ + b (float32 accumulation in the kernel)."""
-        if x.shape[0] > self.max_rows and self.gemm is not None and x.dtype == torch.float32:
-            return self.gemm(x)
         if x.shape[0] > self.max_rows or x.dtype == torch.float64:
-            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+            return self.large(x)
         if x.dtype == torch.float32:  # the common case, without no-op conversions (each costs a dispatch)
             return self.op(x)
         return self.op(x.float()).to(x.dtype)
+
+
+    def large(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        """y = x Wᵀ + b as a GEMM: the prepacked one for float32, else F.linear (also the float64 reference)."""
+        if self.gemm is not None and x.dtype == torch.float32:
+            return self.gemm(x)
+        return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
 class QuantizedLinear(DirectCallModule):

@@ -18,17 +18,13 @@ from typing import Any
 import torch
 
 from twophase.model.attention import KernelPagedAttention
-from twophase.model.ops.linear import MAX_KERNEL_ROWS
-
 DISABLE_ENV = "TWOPHASE_NO_STACK"
-MAX_STACK_ROWS = min(MAX_KERNEL_ROWS.values())  # every projection of any format runs its kernel up to here
 
 
 def stack_row_limit(layers: torch.nn.Module) -> float:
     """Tokens up to which every projection in ``layers`` runs its kernel (the decoder stack's limit): the least
-    ``max_rows`` of the packed projections, ``MAX_STACK_ROWS`` if none is packed."""
-    limits = [m.max_rows for m in layers.modules() if getattr(m, "op", None) is not None and hasattr(m, "max_rows")]
-    return min(limits, default=MAX_STACK_ROWS)
+    ``max_rows`` of the projections that have one (``op``); 0 if none has, where the stack cannot apply."""
+    return min((m.max_rows for m in layers.modules() if getattr(m, "op", None) is not None), default=0)
 
 
 def stack_enabled() -> bool:
