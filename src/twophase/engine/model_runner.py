@@ -19,6 +19,7 @@ from twophase.config import CacheConfig, ModelConfig
 from twophase.engine import hardware
 from twophase.engine.input_batch import InputBatch, build_input_batch
 from twophase.model.attention import make_attention_backend
+from twophase.model.ops.huge_pages import arena
 from twophase.model.ops.linear import deferred_gemm_bytes
 from twophase.model.registry import build_model
 from twophase.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
@@ -140,11 +141,14 @@ class ModelRunner:
 
     def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         shape = (self.num_blocks * self.block_size, self.local_config.num_key_value_heads, self.local_config.head_dim)
-        # never zeroed (no start-up time, pages touched only when used): no backend reads a slot before it is written
-        return [
-            (torch.empty(shape, dtype=self.dtype, device=self.device), torch.empty(shape, dtype=self.dtype, device=self.device))
-            for _ in range(self.model_config.num_hidden_layers)
-        ]
+        # never zeroed (no start-up time, pages touched only when used): no backend reads a slot before it is written.
+        # On a CPU in huge-page memory: decode attention reads blocks of slots at scattered addresses.
+        def empty() -> torch.Tensor:
+            if self.device.type == "cpu":
+                return arena().empty(shape, self.dtype)
+            return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+        return [(empty(), empty()) for _ in range(self.model_config.num_hidden_layers)]
 
     @property
     def kv_cache_bytes(self) -> int:

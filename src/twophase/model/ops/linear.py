@@ -34,6 +34,7 @@ from torch import nn
 
 from twophase.model.layers import DirectCallModule
 from twophase.model.ops import quant
+from twophase.model.ops.huge_pages import arena
 
 QUANTIZATIONS = ("none", "int8", "q8_0", "q4_1", "gguf")  # gguf: each weight in the block format it is stored in
 BLOCK_FORMATS = ("q8_0", "q4_1")  # GGUF blocks of 32: executed with int8 activation blocks
@@ -111,7 +112,7 @@ class KernelLinear(DenseLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: ModuleType,
                  batch_invariant: bool = False) -> None:  # fmt: skip
-        super().__init__(weight.contiguous(), bias)
+        super().__init__(arena().adopt(weight.contiguous()), bias)  # streamed every step: 2 MiB pages
         self.max_rows = kernel_row_limit("none", batch_invariant)
         bias32 = None if bias is None else bias.float()
         self.op = kernels.LinearOp("dense", [self.weight], bias32, batch_invariant)
@@ -146,7 +147,8 @@ class QuantizedLinear(DirectCallModule):
         self.fmt = fmt
         self.max_rows = kernel_row_limit(fmt, batch_invariant)  # beyond: F.linear on dequant(W)
         # tuple of tensors, format-specific (the kernel's argument order): as stored in the file, or quantized here
-        self.packed = packed if packed is not None else quantize(weight, fmt)
+        packed = packed if packed is not None else quantize(weight, fmt)
+        self.packed = tuple(arena().adopt(t) for t in packed)  # streamed every step: 2 MiB pages
         self.bias32 = None if bias is None else bias.float()
         self.op = None if kernels is None else kernels.LinearOp(fmt, list(self.packed), self.bias32, batch_invariant)
         # the block formats' F.linear path (large batches) rounds x and dequantises W on every call: one C++ pass
