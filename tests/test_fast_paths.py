@@ -19,7 +19,13 @@ from prerequisites import in_ci
 from test_parity_hf import PROMPTS, packed_logits
 from twophase import LLM, SamplingParams
 from twophase.model.ops.extension import load_kernels
-from twophase.model.ops.linear import MAX_KERNEL_ROWS, KernelLinear, PrepackedGemm
+from twophase.model.ops.linear import (
+    LARGE_MATRIX_KERNEL_ROWS,
+    LARGE_MATRIX_WEIGHTS,
+    MAX_KERNEL_ROWS,
+    KernelLinear,
+    PrepackedGemm,
+)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -64,6 +70,23 @@ def test_prepacked_gemm_matches_f_linear(bias):
         x = torch.randn(rows, 96)
         torch.testing.assert_close(gemm(x), torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-4)
     assert gemm.packed is not None and gemm.packed.layout == torch._mkldnn
+
+
+def test_a_head_sized_matrix_takes_the_gemm_from_fewer_rows():
+    """A float32 matrix of LM-head size leaves the kernel beyond LARGE_MATRIX_KERNEL_ROWS (a layer-sized one beyond
+    MAX_KERNEL_ROWS), and both paths agree with F.linear on either side of the switch."""
+    if not PrepackedGemm.available(torch.zeros(1)):
+        pytest.skip("this torch build has no oneDNN")
+    torch.manual_seed(0)
+    kernels = load_kernels()
+    head = KernelLinear(torch.randn(LARGE_MATRIX_WEIGHTS // 64, 64), None, kernels)
+    layer = KernelLinear(torch.randn(LARGE_MATRIX_WEIGHTS // 64 - 1, 64), None, kernels)
+    assert head.max_rows == LARGE_MATRIX_KERNEL_ROWS < layer.max_rows == MAX_KERNEL_ROWS["none"]
+    assert KernelLinear(head.weight, None, kernels, batch_invariant=True).max_rows == float("inf")
+    for rows in (LARGE_MATRIX_KERNEL_ROWS, LARGE_MATRIX_KERNEL_ROWS + 8):
+        x = torch.randn(rows, 64)
+        torch.testing.assert_close(head(x), torch.nn.functional.linear(x, head.weight), rtol=1e-5, atol=1e-4)
+    assert head.gemm.packed is not None and layer.gemm.packed is None  # only the head went past its limit
 
 
 def test_long_prompts_leave_the_kernel_for_the_prepacked_gemm(tiny_llama_dir):

@@ -44,6 +44,12 @@ BLOCK_FORMATS = ("q8_0", "q4_1")  # GGUF blocks of 32: executed with int8 activa
 # at 128; the other formats against F.linear on the dequantised weight (which also pays a dequantisation per
 # call), every kernel still winning at 128 rows.
 MAX_KERNEL_ROWS = {"none": 32, "int8": 128, "q8_0": 128, "q4_1": 128}
+# A float32 matrix this large (an LM head) switches to the prepacked GEMM sooner: one matrix at a time, caches
+# flushed between calls, medians of 15-30 (/ = our time over the GEMM's): 49152x576 (SmolLM2's head) 0.97 at 16
+# rows, 1.11 at 24, 1.20 at 32; 12288x576 0.98 / 1.09 / 1.08; the layer matrices 3072x576 0.91 / 0.99 / 0.91 and
+# 576x1536 0.69 / 0.85 / 0.85.
+LARGE_MATRIX_WEIGHTS = 4 << 20
+LARGE_MATRIX_KERNEL_ROWS = 16
 
 
 def kernel_row_limit(fmt: str, batch_invariant: bool) -> float:
@@ -118,6 +124,8 @@ class KernelLinear(DenseLinear):
         self.op = kernels.LinearOp("dense", [self.weight], bias32, batch_invariant)
         usable = not batch_invariant and PrepackedGemm.available(self.weight)
         self.gemm = PrepackedGemm(self.weight, bias32) if usable else None
+        if self.gemm is not None and self.weight.numel() >= LARGE_MATRIX_WEIGHTS:
+            self.max_rows = min(self.max_rows, LARGE_MATRIX_KERNEL_ROWS)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         """y = x Wᵀ + b (float32 accumulation in the kernel)."""
