@@ -1,4 +1,4 @@
-"""Turn a SchedulerOutput into the tensors of one flat batch (vectorised; no per-token Python loops)."""
+"""Turn a SchedulerOutput into the tensors of one flat batch (Python lists, a range per cache block; one tensor per field)."""
 
 from __future__ import annotations
 
@@ -24,19 +24,23 @@ class InputBatch:
 
 
 def build_input_batch(scheduler_output: SchedulerOutput, block_size: int, device: torch.device) -> InputBatch:
-    """Flatten the scheduled requests into one token batch with positions, slots and block tables."""
+    """Flatten the scheduled requests into one token batch with positions, slots and block tables.
+
+    Built as Python lists, one tensor per field at the end: a decode step's handful of rows costs a few tensor
+    constructions instead of ~15 small torch ops (0.5-0.8 ms a step on a 2-core CPU, 5% of a Q4_1 decode step);
+    a long prefill pays ~0.1 µs a token, nothing beside its forward."""
     scheduled = scheduler_output.scheduled
     q_lens = [len(s.token_ids) for s in scheduled]
     seq_lens = [s.start_position + n for s, n in zip(scheduled, q_lens)]
     query_start_loc = [0, *itertools.accumulate(q_lens)]
     input_ids = torch.tensor(list(itertools.chain.from_iterable(s.token_ids for s in scheduled)), dtype=torch.long)
-    q_lens_t = torch.tensor(q_lens, dtype=torch.long)
-    starts_t = torch.tensor([s.start_position for s in scheduled], dtype=torch.long)
-    offsets = torch.tensor(query_start_loc[:-1], dtype=torch.long)
-    positions = torch.arange(query_start_loc[-1]) + torch.repeat_interleave(starts_t - offsets, q_lens_t)  # [T]
+    positions: list[int] = []
+    slots: list[int] = []
+    for s, end in zip(scheduled, seq_lens):
+        positions.extend(range(s.start_position, end))
+        slots.extend(_slots(s.block_ids, s.start_position, end, block_size))
     block_tables = _padded_block_tables([s.block_ids for s in scheduled])  # [R, max_blocks] int32
-    req_index = torch.repeat_interleave(torch.arange(len(scheduled)), q_lens_t)  # [T]
-    slot_mapping = block_tables[req_index, positions // block_size].long() * block_size + positions % block_size  # [T]
+    slot_mapping = torch.tensor(slots, dtype=torch.long)  # [T]
     meta = AttentionMetadata(
         slot_mapping=slot_mapping.to(device),
         query_start_loc=torch.tensor(query_start_loc, dtype=torch.int32).to(device),
@@ -54,12 +58,25 @@ def build_input_batch(scheduler_output: SchedulerOutput, block_size: int, device
     )  # fmt: skip
     return InputBatch(
         input_ids=input_ids.to(device),
-        positions=positions.to(device),
+        positions=torch.tensor(positions, dtype=torch.long).to(device),  # [T]
         meta=meta,
         sample_token_indices=sample_token_indices.to(device),
         sample_request_ids=[scheduled[i].request_id for i in sample_rows],
         sample_counts=sample_counts,
     )
+
+
+def _slots(block_ids: list[int], start: int, end: int, block_size: int) -> list[int]:
+    """KV cache slots of positions start..end-1 of a request whose blocks are ``block_ids`` (a range per block)."""
+    slots: list[int] = []
+    p = start
+    while p < end:
+        block, offset = divmod(p, block_size)
+        stop = min(end, (block + 1) * block_size)
+        base = block_ids[block] * block_size + offset
+        slots.extend(range(base, base + stop - p))
+        p = stop
+    return slots
 
 
 def _padded_block_tables(tables: list[list[int]]) -> torch.Tensor:
