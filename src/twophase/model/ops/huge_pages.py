@@ -2,9 +2,10 @@
 
 A decode step streams every weight byte once and reads the KV cache a block of slots at a time at scattered
 addresses. With 4 KiB pages that is a TLB entry (and, past the TLB's reach, a page walk) per 4 KiB; with 2 MiB
-pages, one per 2 MiB. Measured on a 2-core Zen 3 (THP in ``madvise`` mode, the common default), in-process,
-interleaved, medians of 11 (``docs/runs/compare-cpu/README.md``, session 9): our float32 kernel over SmolLM2-135M's
-121 weight matrices at one row 3-12% less time, paged decode attention over 30 layers' caches 6-10% less.
+pages, one per 2 MiB. Measured on a 2-core Zen 3 (THP in ``madvise`` mode, the common default; ``docs/runs/
+compare-cpu/README.md``): our float32 kernel over SmolLM2-135M's 121 weight matrices at one row 3-11% less time,
+paged decode attention over 30 layers' caches 6-9% less, batch-1 decode in the engine +26% and +7% (two A/Bs);
+start-up pays for copying the weights in once (+0.5-0.9 s on that VM).
 
 Tensors are carved out of large chunks (a bump allocator), each chunk aligned to 2 MiB and advised
 ``MADV_HUGEPAGE`` before its pages are first touched, so no tensor pads to a page of its own. A chunk lives as long
