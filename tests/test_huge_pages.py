@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -9,7 +10,10 @@ import torch
 
 from twophase.model.ops.huge_pages import ALIGN, HUGE_PAGE, MIN_BYTES, HugePageArena
 
-linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="madvise is Linux's")
+linux_only = pytest.mark.skipif(
+    not sys.platform.startswith("linux") or not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
+    reason="needs Linux with transparent huge pages (madvise is Linux's)",
+)
 
 
 def _vm_flags(address: int) -> set[str]:
