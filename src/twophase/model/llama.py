@@ -154,16 +154,16 @@ class LlamaForCausalLM(nn.Module):
         chosen weight format (see ``model/ops/linear.py``). ``native``: HF name → (format, tensors) of weights
         as stored in a GGUF file, used instead of requantizing when the format matches. ``batch_invariant``: the
         kernels at every batch size (no GEMM for large ones), so no row's result depends on the others."""
-        from twophase.model.ops.huge_pages import arena
         from twophase.model.ops.linear import make_linear, pack_linear_layers
 
         native = native or {}
         head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
-        if self.lm_head is None:  # tied: the head streams the embedding's tensor, so that one moves to huge pages
-            self.embed_tokens.weight.data = arena().adopt(self.embed_tokens.weight.data)
         head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.logits_head = make_linear(head_weight.data, None, quantization, kernels, native.get(head_name),
                                        batch_invariant)
+        head_copy = getattr(self.logits_head, "weight", None)  # a float head may hold its own (huge-page) copy
+        if self.lm_head is None and head_copy is not None and head_copy.data_ptr() != head_weight.data_ptr():
+            self.embed_tokens.weight.data = head_copy  # tied: one tensor for both, not two
         self.lm_head = None
         self.ops = LayerOps(kernels)
         self.stack, self.stack_caches = None, None  # rebuilt over the packed layers on first use

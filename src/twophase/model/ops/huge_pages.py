@@ -57,7 +57,7 @@ class HugePageArena:
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised contiguous CPU tensor, in huge-page memory when enabled and at least ``MIN_BYTES``."""
-        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        nbytes = torch.Size(shape).numel() * dtype.itemsize
         if not self.enabled or nbytes < MIN_BYTES:
             return torch.empty(shape, dtype=dtype)
         if self.chunk is None or self.offset + nbytes > self.chunk.numel():
@@ -67,8 +67,8 @@ class HugePageArena:
         return self.chunk[start : start + nbytes].view(dtype).view(shape)
 
     def adopt(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` moved into huge-page memory (a copy); ``t`` itself when it stays (not a CPU tensor, small,
-        disabled, or already in this arena)."""
+        """``t`` moved into huge-page memory (a contiguous copy); ``t`` itself when it stays (not a CPU tensor,
+        small, disabled, or already in this arena)."""
         if t.device.type != "cpu" or not self.enabled or t.nbytes < MIN_BYTES or self.holds(t):
             return t
         return self.empty(tuple(t.shape), t.dtype).copy_(t)

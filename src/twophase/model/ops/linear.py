@@ -52,9 +52,15 @@ LARGE_MATRIX_WEIGHTS = 4 << 20
 LARGE_MATRIX_KERNEL_ROWS = 16
 
 
-def kernel_row_limit(fmt: str, batch_invariant: bool) -> float:
-    """Rows up to which a layer of format ``fmt`` runs its kernel (beyond: F.linear); every row when batch-invariant."""
-    return math.inf if batch_invariant else MAX_KERNEL_ROWS[fmt]
+def kernel_row_limit(fmt: str, batch_invariant: bool, gemm_weights: int = 0) -> float:
+    """Rows up to which a layer of format ``fmt`` runs its kernel (beyond: a GEMM); every row when batch-invariant.
+    ``gemm_weights``: the weight count of a float32 matrix that has the prepacked GEMM (0: none), whose limit is
+    lower when the matrix is head-sized."""
+    if batch_invariant:
+        return math.inf
+    if gemm_weights >= LARGE_MATRIX_WEIGHTS:
+        return min(MAX_KERNEL_ROWS[fmt], LARGE_MATRIX_KERNEL_ROWS)
+    return MAX_KERNEL_ROWS[fmt]
 
 
 class DenseLinear(DirectCallModule):
@@ -118,14 +124,12 @@ class KernelLinear(DenseLinear):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, kernels: ModuleType,
                  batch_invariant: bool = False) -> None:  # fmt: skip
-        super().__init__(arena().adopt(weight.contiguous()), bias)  # streamed every step: 2 MiB pages
-        self.max_rows = kernel_row_limit("none", batch_invariant)
+        super().__init__(arena().adopt(weight).contiguous(), bias)  # streamed every step: 2 MiB pages
         bias32 = None if bias is None else bias.float()
         self.op = kernels.LinearOp("dense", [self.weight], bias32, batch_invariant)
         usable = not batch_invariant and PrepackedGemm.available(self.weight)
         self.gemm = PrepackedGemm(self.weight, bias32) if usable else None
-        if self.gemm is not None and self.weight.numel() >= LARGE_MATRIX_WEIGHTS:
-            self.max_rows = min(self.max_rows, LARGE_MATRIX_KERNEL_ROWS)
+        self.max_rows = kernel_row_limit("none", batch_invariant, self.weight.numel() if self.gemm else 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
         """y = x Wᵀ + b (float32 accumulation in the kernel)."""
