@@ -170,6 +170,9 @@ class Profile:
     workloads: list[Workload] = field(default_factory=list)
     accuracy_workloads: tuple[str, ...] = ()  # a subset of the workloads' names for the accuracy stage (() = all)
     measured_repeats: int = 1  # measured runs per accuracy point, compared by their per-figure median
+    probe_prompts: int = 8  # accuracy: a burst of this many requests warms each server; 0: none
+    rescale: bool = True  # accuracy: also simulate each run with the model rescaled on earlier runs (drift)
+    drift_window: str = "server"  # rescale on all earlier runs of the server ("server") or the one before ("previous")
 
     def engine_flags(self, **overrides: Any) -> list[str]:
         """The engine flags serve and sim share (``budget`` / ``max_num_seqs`` overridable)."""
@@ -231,6 +234,8 @@ def make_profile(args: argparse.Namespace) -> Profile:
     if args.measured_repeats < 1:
         raise ValueError(f"--measured-repeats must be at least 1, got {args.measured_repeats}")
     profile.measured_repeats = args.measured_repeats
+    profile.rescale, profile.probe_prompts, profile.drift_window = not args.no_rescale, args.probe_prompts, \
+        args.drift_window
     profile.auto.itl_ms, profile.auto.ttft_ms = args.auto_itl_ms, args.auto_ttft_ms
     profile.auto.itl_slack = args.itl_slack
     return profile
@@ -628,37 +633,90 @@ def measure_point(profile: Profile, server: Proc, point: AccuracyPoint, repeat: 
     return wall
 
 
-def accuracy_point(profile: Profile, steptime: Path, point: AccuracyPoint, walls: list[float],
+def accuracy_point(profile: Profile, steptime: Path, point: AccuracyPoint, runs: MeasuredRuns,
                    out: Path) -> dict[str, Any]:
-    """Simulate the point and compare it with the median of its measured runs (and their spread)."""
-    stem = point.stem
-    run_cli(sim_argv(profile, steptime, profile.engine_flags(), point.flags, point.slos, out / f"{stem}-sim.json"),
-            out.parent / "logs" / f"{stem}-sim.log")  # fmt: skip
-    runs = [json.loads((out / f"{stem}-measured{repeat_suffix(r)}.json").read_text()) for r in range(len(walls))]
-    simulated = json.loads((out / f"{stem}-sim.json").read_text())
+    """Simulate the point and compare it with the median of its measured runs (and their spread). With
+    ``profile.rescale`` the headline ``rows`` compare the median of one simulation per measured run, each with the
+    model rescaled by the drift of earlier runs on that run's server (``drift_window``; never the run predicted),
+    and ``rows_as_calibrated`` keep the comparison with the model as fitted."""
+    stem, walls = point.stem, runs.walls[point.stem]
+    simulated = simulate_point(profile, steptime, point, out / f"{stem}-sim.json", [])
+    measured = [json.loads((out / f"{stem}-measured{repeat_suffix(r)}.json").read_text()) for r in range(len(walls))]
     mismatches = point.request_list_mismatches + list(dict.fromkeys(
-        m for run in runs for m in length_mismatches(run, simulated)))  # fmt: skip
-    rows = compare(median_result(runs), simulated, runs)
+        m for run in measured for m in length_mismatches(run, simulated)))  # fmt: skip
+    as_calibrated = compare(median_result(measured), simulated, measured)
+    rows, scales = as_calibrated, []
+    sources = runs.drift_sources.get(stem, [])
+    if profile.rescale and sources and all(sources):  # every repeat has earlier runs on its server
+        rescaled = [simulate_point(profile, steptime, point, out / f"{stem}-sim-rescaled{repeat_suffix(r)}.json",
+                                   ["--rescale-from-records", *map(str, source)]) for r, source in enumerate(sources)]
+        scales = [float(r.get("step_time_scale", 1.0)) for r in rescaled]
+        rows = compare(median_result(measured), median_result(rescaled), measured)
     noisy = sum(r["noise_exceeds_tolerance"] for r in rows)
+    drift = (f" (rescaled x{min(scales):.3f}..x{max(scales):.3f}; as calibrated "
+             f"{sum(r['pass'] for r in as_calibrated)})") if scales else ""
     print(f"  {stem}: {point.num_prompts} prompts at {point.rate:.3g} req/s, {sum(walls):.0f} s measured "
-          f"({len(runs)} run{'s' if len(runs) > 1 else ''}); {sum(r['pass'] for r in rows)}/{len(rows)} figures "
-          f"within tolerance{f'; {noisy} with runs spread beyond it' if len(runs) > 1 else ''}"
+          f"({len(measured)} run{'s' if len(measured) > 1 else ''}); {sum(r['pass'] for r in rows)}/{len(rows)} "
+          f"figures within tolerance{drift}{f'; {noisy} with runs spread beyond it' if len(measured) > 1 else ''}"
           f"{'; REQUEST LISTS DIFFER' if mismatches else ''}", flush=True)  # fmt: skip
     return {"workload": point.workload.name, "load": point.load, "rate": point.rate, "num_prompts": point.num_prompts,
-            "seed": point.seed, "slos": point.slos, "rows": rows, "request_list_mismatches": mismatches,
-            "measured_failed": max(r["failed"] for r in runs),
+            "seed": point.seed, "slos": point.slos, "rows": rows, "rows_as_calibrated": as_calibrated,
+            "drift_scales": scales, "drift_window": profile.drift_window if scales else None,
+            "request_list_mismatches": mismatches, "measured_failed": max(r["failed"] for r in measured),
             "steps_out_of_range": simulated.get("steps_out_of_calibrated_range", 0),
-            "wall_s": statistics.median(walls), "measured_repeats": len(runs),
-            "measured_failed_runs": [r["failed"] for r in runs], "wall_s_runs": walls}  # fmt: skip
+            "wall_s": statistics.median(walls), "measured_repeats": len(measured),
+            "measured_failed_runs": [r["failed"] for r in measured], "wall_s_runs": walls}  # fmt: skip
+
+
+def simulate_point(profile: Profile, steptime: Path, point: AccuracyPoint, path: Path,
+                   extra: list[str]) -> dict[str, Any]:
+    """``twophase sim`` of the point (``extra``: more sim flags); its result JSON."""
+    run_cli([*sim_argv(profile, steptime, profile.engine_flags(), point.flags, point.slos, path), *extra],
+            out_log(path))
+    return json.loads(path.read_text())
+
+
+def out_log(path: Path) -> Path:
+    """The log of the command writing ``path`` (under the run's logs/)."""
+    return path.parent.parent / "logs" / f"{path.stem}.log"
+
+
+@dataclass
+class MeasuredRuns:
+    """What the accuracy stage measured of one workload: each point's wall seconds per repeat, and the server
+    records each repeat's prediction may be rescaled on (runs before it on the same server, ``drift_window``)."""
+
+    walls: dict[str, list[float]] = field(default_factory=dict)
+    drift_sources: dict[str, list[list[Path]]] = field(default_factory=dict)
+
+
+def probe_server(profile: Profile, server: Proc, workload: Workload, seed: int, repeat: int, out: Path,
+                 last_step: int) -> tuple[Path | None, int]:
+    """A burst of ``profile.probe_prompts`` requests of ``workload`` (its own seed: no point's prompts or prefixes)
+    before the server's first measured point, so that point runs on a warm engine; its records saved."""
+    if profile.probe_prompts < 1:
+        return None, last_step
+    n = workload.prompt_multiple * math.ceil(profile.probe_prompts / workload.prompt_multiple)
+    stem = f"{workload.name}-probe{repeat_suffix(repeat)}"
+    run_cli(bench_serve_argv(server.url, profile, [*workload.flags, *traffic_flags(n, math.inf, seed + 5000)], {},
+                             out / f"{stem}-result.json"), out.parent / "logs" / f"{stem}.log")  # fmt: skip
+    return save_records(server, out / f"{stem}-records.json", last_step)
+
+
+def save_records(server: Proc, path: Path, last_step: int) -> tuple[Path, int]:
+    """The server's records since ``last_step`` written to ``path``; the path and the new last step id."""
+    dump, last = records_since(server.url, last_step)
+    path.write_text(json.dumps(dump))
+    return path, last
 
 
 def measure_workload(profile: Profile, steptime: Path, workload: Workload, seed: int, slos: dict[str, float],
-                     out: Path, capacities: dict[str, float]) -> tuple[list[AccuracyPoint], dict[str, list[float]]]:
-    """Every load of ``workload``, ``profile.measured_repeats`` times: each repeat runs every load in turn on a
-    fresh server (a cold prefix cache, as the first); the capacity comes first, on the first server. Returns the
-    points and each point's wall seconds per repeat."""
+                     out: Path, capacities: dict[str, float]) -> tuple[list[AccuracyPoint], MeasuredRuns]:
+    """Every load of ``workload``, ``profile.measured_repeats`` times: each repeat runs a warm-up probe, then every
+    load in turn on a fresh server (a cold prefix cache for the points' prefixes, as the first); the capacity
+    comes first, on the first server. Returns the points and their runs."""
     points: list[AccuracyPoint] = []
-    walls: dict[str, list[float]] = {}
+    runs = MeasuredRuns()
     for repeat in range(profile.measured_repeats):
         log = out.parent / "logs" / f"serve-{workload.name}{repeat_suffix(repeat)}.log"
         server = start_server(profile, log, profile.engine_flags())
@@ -669,11 +727,19 @@ def measure_workload(profile: Profile, steptime: Path, workload: Workload, seed:
                       f"SLOs {slos}", flush=True)  # fmt: skip
                 points = [plan_point(profile, steptime, workload, load, round(load * capacities[workload.name], 4),
                                      seed + l_index, slos, out) for l_index, load in enumerate(profile.loads)]
+            probe, last_step = probe_server(profile, server, workload, seed, repeat, out,
+                                            records_since(server.url, -1)[1])  # fmt: skip
+            recorded = [probe] if probe else []  # this server's runs so far, oldest first
             for point in points:
-                walls.setdefault(point.stem, []).append(measure_point(profile, server, point, repeat, out))
+                runs.walls.setdefault(point.stem, []).append(measure_point(profile, server, point, repeat, out))
+                window = recorded[-1:] if profile.drift_window == "previous" else list(recorded)
+                runs.drift_sources.setdefault(point.stem, []).append(window)
+                path, last_step = save_records(server, out / f"{point.stem}-records{repeat_suffix(repeat)}.json",
+                                               last_step)  # fmt: skip
+                recorded.append(path)
         finally:
             server.stop()
-    return points, walls
+    return points, runs
 
 
 def run_accuracy(profile: Profile, steptime: Path, out: Path) -> dict[str, Any]:
@@ -687,10 +753,10 @@ def run_accuracy(profile: Profile, steptime: Path, out: Path) -> dict[str, Any]:
         if profile.accuracy_workloads and workload.name not in profile.accuracy_workloads:
             continue
         slos = workload_slos(model, workload, profile.budget)
-        planned, walls = measure_workload(profile, steptime, workload, profile.seed + 100 * w_index, slos, out,
-                                          capacities)  # fmt: skip
-        points += [accuracy_point(profile, steptime, p, walls[p.stem], out) for p in planned]
-    return {"capacities": capacities, "capacity_source": profile.capacity,
+        planned, runs = measure_workload(profile, steptime, workload, profile.seed + 100 * w_index, slos, out,
+                                         capacities)  # fmt: skip
+        points += [accuracy_point(profile, steptime, p, runs, out) for p in planned]
+    return {"capacities": capacities, "capacity_source": profile.capacity, "rescaled": profile.rescale,
             "measured_repeats": profile.measured_repeats, "points": points}  # fmt: skip
 
 
@@ -876,7 +942,7 @@ def accuracy_markdown(acc: dict[str, Any]) -> list[str]:
     """Summary matrix (errors, failures starred, noisy measurements daggered), then every point's table."""
     repeats = acc.get("measured_repeats", 1)
     names = [r["figure"] for r in acc["points"][0]["rows"]] if acc["points"] else []
-    matrix = [[p["workload"], f"{round(100 * p['load'])}%", p["rate"], p["num_prompts"],
+    matrix = [[p["workload"], f"{round(100 * p['load'])}%", p["rate"], p["num_prompts"], drift_cell(p),
                *[matrix_cell(r, repeats) for r in p["rows"]]] for p in acc["points"]]  # fmt: skip
     passed = sum(r["pass"] for p in acc["points"] for r in p["rows"])
     total = sum(len(p["rows"]) for p in acc["points"])
@@ -884,13 +950,32 @@ def accuracy_markdown(acc: dict[str, Any]) -> list[str]:
              f"Capacity ({acc['capacity_source']}, req/s): " + ", ".join(
                  f"{k} {v:.3g}" for k, v in acc["capacities"].items()),
              f"Relative error (sim - measured) / measured; * = outside tolerance (p50/p90 15%, p99 25%, goodput "
-             f"15%). {passed}/{total} figures within tolerance.", *noise_lines(acc, repeats), "",
-             table(["workload", "load", "req/s", "prompts", *names], matrix), ""]  # fmt: skip
+             f"15%). {passed}/{total} figures within tolerance.", *drift_lines(acc), *noise_lines(acc, repeats), "",
+             table(["workload", "load", "req/s", "prompts", "drift", *names], matrix), ""]  # fmt: skip
     lines += identity_lines(acc)
     for p in acc["points"]:
         lines += [f"### {p['workload']} at {round(100 * p['load'])}% ({p['rate']} req/s, {p['num_prompts']} prompts,"
                   f" seed {p['seed']}, SLOs {p['slos']})", "", point_table(p["rows"], repeats), ""]  # fmt: skip
     return lines
+
+
+def drift_cell(point: dict[str, Any]) -> str:
+    """The drift scales of the point's repeats (blank: not rescaled)."""
+    scales = point.get("drift_scales") or []
+    return "" if not scales else " ".join(f"x{v:.2f}" for v in scales)
+
+
+def drift_lines(acc: dict[str, Any]) -> list[str]:
+    """When the headline is rescaled: how, and the count with the model as calibrated."""
+    points = [p for p in acc["points"] if p.get("drift_scales")]
+    if not points:
+        return []
+    plain = sum(r["pass"] for p in acc["points"] for r in p.get("rows_as_calibrated", p["rows"]))
+    window = ("all earlier runs on the same server (its warm-up probe, then the points before)"
+              if points[0].get("drift_window") == "server" else "the run just before it on the same server")
+    return [f"Simulated = the median of one simulation per measured run, its step times scaled by the drift (actual "
+            f"/ predicted step time) of {window}: the drift column. With the model as calibrated: {plain} within "
+            f"tolerance."]
 
 
 def matrix_cell(row: dict[str, Any], repeats: int) -> str:
@@ -1019,6 +1104,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--measured-repeats", type=int, default=1, metavar="N",
                    help="accuracy: measured runs per point, compared by their per-figure median (the issue's "
                    "accuracy claim: 3; default 1)")  # fmt: skip
+    p.add_argument("--no-rescale", action="store_true",
+                   help="accuracy: only the model as calibrated (default: each run predicted with the model "
+                   "rescaled by the drift of earlier runs on its server, the model as calibrated alongside)")
+    p.add_argument("--drift-window", choices=["server", "previous"], default="server",
+                   help="accuracy: rescale each run on all earlier runs of its server (default) or the one before it")
+    p.add_argument("--probe-prompts", type=int, default=8, metavar="N",
+                   help="accuracy: warm-up burst per server before its first point (0: none)")
     p.add_argument("--sweep-load", type=float, default=None,
                    help="sweep: fraction of the workload's capacity (default 0.85)")
     p.add_argument("--runs", type=int, default=None, help="auto test: interleaved runs per configuration")

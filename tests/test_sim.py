@@ -3,6 +3,8 @@ NNLS recovery, the budget policy's closed form, floor and cap."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 import time
 
@@ -176,6 +178,22 @@ def test_fit_recovers_known_coefficients_under_5_percent_noise(tmp_path):
     loaded = StepTimeModel.load(model.save(tmp_path / "m.json"))
     assert loaded.coefficients == model.coefficients and loaded.gap_s == 1e-3
     assert loaded.out_of_range(StepFeatures(prefill_tokens=10**6, prefill_rows=1)) == ["prefill_tokens"]
+    assert loaded.residual_prefill == [f.prefill_tokens > 0 for f in features]
+
+
+def test_noise_draws_residuals_of_the_same_step_kind():
+    # decode-only steps varied by x1.5 in calibration, steps with prompt tokens by x1.1: each kind keeps its own
+    ratios, kinds = [1.5] * 30 + [1.1] * 25, [False] * 30 + [True] * 25
+    model = dataclasses.replace(known_model(), residual_ratios=ratios, residual_prefill=kinds)
+    predictor = ModelPredictor(model, noise=True, seed=3)
+    decode, prefill = StepFeatures(decode_rows=4, decode_context_tokens=400), StepFeatures(64, 1, 2080)
+    assert {round(predictor.predict(decode) / model.predict(decode), 6) for _ in range(50)} == {1.5}
+    assert {round(predictor.predict(prefill) / model.predict(prefill), 6) for _ in range(50)} == {1.1}
+    few = dataclasses.replace(model, residual_prefill=[False] * 50 + [True] * 5)  # too few of a kind: draw from all
+    drawing_all = ModelPredictor(few, noise=True)
+    assert {round(drawing_all.predict(prefill) / model.predict(prefill), 6) for _ in range(200)} == {1.5, 1.1}
+    unknown = dataclasses.replace(model, residual_prefill=[])  # a model file from before the kinds: all of them
+    assert unknown.residuals_of_kind(True) == ratios
 
 
 def decoding(rid: str, context: int) -> Request:

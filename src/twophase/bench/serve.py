@@ -22,6 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from twophase.bench.datasets import SampleRequest
+from twophase.server.settings import CLIENT_KEEPALIVE_EXPIRY_S
 from twophase.bench.metrics import (
     RequestRecord, arrival_gaps, calculate_metrics, percentile_word, record_from_chunks, send_offsets, server_split,
 )  # fmt: skip
@@ -154,7 +155,8 @@ async def run_load(client: httpx.AsyncClient, config: LoadConfig,
 
 async def benchmark(config: LoadConfig, requests: list[SampleRequest]) -> dict[str, Any]:
     """Ready check, warm-ups, the timed run; returns the result dict (vLLM's keys, detailed lists included)."""
-    limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency)
+    limits = httpx.Limits(max_connections=config.max_concurrency, max_keepalive_connections=config.max_concurrency,
+                          keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S)  # fmt: skip
     timeout = httpx.Timeout(6 * 60 * 60, connect=60)
     async with httpx.AsyncClient(limits=limits, timeout=timeout, headers=auth_headers()) as client:
         if config.ready_check:

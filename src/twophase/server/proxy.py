@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from twophase.server.disconnect import until_disconnect
+from twophase.server.settings import CLIENT_KEEPALIVE_EXPIRY_S
 
 logger = logging.getLogger("twophase.proxy")
 COMPLETION_ROUTES = ("/v1/completions", "/v1/chat/completions")
@@ -105,7 +106,9 @@ class Proxy:
 
     def __init__(self, pool: BackendPool, timeout_s: float) -> None:
         self.pool = pool
-        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0))
+        limits = httpx.Limits(max_connections=100, max_keepalive_connections=20,  # httpx's default pool sizes
+                              keepalive_expiry=CLIENT_KEEPALIVE_EXPIRY_S)  # fmt: skip
+        self.client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0), limits=limits)
 
     async def handle(self, raw: Request, route: str) -> Response:
         """Serve one completion request (P/D or replica mode)."""

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# How long an HTTP client of a twophase server (bench serve, the proxy) keeps an idle connection for reuse: well
+# under the server's keep-alive timeout (uvicorn's 5 s). httpx's default is also 5 s, and reusing a connection the
+# server was closing lost a request with a ReadError (bench serve at ~0.1 req/s on a busy 2-core CPU).
+CLIENT_KEEPALIVE_EXPIRY_S = 2.0
+
 
 @dataclass(frozen=True)
 class ServerSettings:

@@ -18,7 +18,7 @@ from twophase.outputs import StepRecord
 from twophase.sampling_params import SamplingParams
 from twophase.steptime.budget import FixedBudget
 from twophase.steptime.features import StepFeatures, record_features
-from twophase.steptime.model import StepTimeModel, busy_gap, fit_step_time_model
+from twophase.steptime.model import StepTimeModel, busy_gap, drift_scale, fit_step_time_model, nnls
 
 log = logging.getLogger(__name__)
 
@@ -95,17 +95,103 @@ def served_ttft_pairs(paths: Iterable[str]) -> tuple[list[float], list[float]]:
     return client, engine
 
 
+MIN_ADMISSION_PAIRS = 10  # fewer paired requests: the overhead stays the median, independent of load
+MAX_JITTER_SAMPLES = 4000  # kept in the model file (evenly spaced quantiles of all the samples)
+
+
+def delivery_jitter(record_paths: Iterable[str], result_paths: Iterable[str]) -> tuple[list[float], float]:
+    """Delivery delays of a served run: for each token after the first, (client receipt − client first token) −
+    (engine token time − engine first token), in seconds, and their lag-1 correlation within a request. Each
+    `/v1/records` dump is paired with the bench serve result (``--save-detailed``) of the same run, in order; the
+    run's requests (first scheduled in the dump's steps) pair in arrival order with the client's in send order,
+    and a pair whose prompt or output lengths differ is skipped."""
+    delays: list[float] = []
+    pairs: list[tuple[float, float]] = []
+    for record_path, result_path in zip(record_paths, result_paths):
+        result = json.loads(Path(result_path).read_text())
+        for request, index in _paired_requests(json.loads(Path(record_path).read_text()), result):
+            engine_times, client_itls = request["token_times"], result["itls"][index]
+            engine = np.asarray(engine_times) - engine_times[0]  # [n]
+            client = np.concatenate([[0.0], np.cumsum(client_itls)])  # [n]
+            d = (client - engine)[1:]
+            delays += d.tolist()
+            pairs += list(zip(d[:-1], d[1:]))
+    if len(pairs) < 2:
+        return delays, 0.0
+    lagged = np.array(pairs)  # [m, 2]
+    corr = float(np.corrcoef(lagged[:, 0], lagged[:, 1])[0, 1]) if lagged.std(axis=0).min() > 0 else 0.0
+    if len(delays) > MAX_JITTER_SAMPLES:
+        delays = np.quantile(delays, np.linspace(0, 1, MAX_JITTER_SAMPLES)).tolist()
+    return [round(d, 6) for d in delays], corr
+
+
+def _paired_requests(dump: dict[str, Any], result: dict[str, Any]) -> Iterable[tuple[dict[str, Any], int]]:
+    """(engine request record, index in the client's result) of the requests of one run, paired as
+    ``delivery_jitter`` says."""
+    steps = dump.get("steps") or []
+    if not steps or "itls" not in result:
+        return
+    first_step = min(s["start_time"] for s in steps)
+    engine = sorted((r for r in dump.get("requests", []) if r.get("scheduled") and r.get("token_times")
+                     and r["scheduled"][0]["time"] >= first_step), key=lambda r: r["arrival_time"])  # fmt: skip
+    errors = result.get("errors") or [""] * len(result["itls"])
+    client = [i for i, error in enumerate(errors) if not error]
+    for request, index in zip(engine, client):
+        if (request["num_prompt_tokens"] == result["input_lens"][index]
+                and len(request["token_times"]) == len(result["itls"][index]) + 1):
+            yield request, index
+
+
+def _in_flight_at_arrival(dump: dict[str, Any], request: dict[str, Any]) -> int:
+    """How many other requests of the dump were in the engine (arrived, not finished) when ``request`` arrived."""
+    t = request["arrival_time"]
+    return sum(1 for r in dump.get("requests", []) if r is not request and r["arrival_time"] < t
+               and (r.get("finish_time") or float("inf")) > t)  # fmt: skip
+
+
+def admission_by_load(record_paths: Iterable[str], result_paths: Iterable[str]) -> tuple[float, float, int]:
+    """The serving overhead (client TTFT − engine TTFT) as ``base + per_stream × requests in flight`` at each
+    request's arrival, fitted by non-negative least squares over the paired requests of served runs (a busy
+    server's event loop, streaming other requests' tokens, admits and answers later). (base, per_stream, pairs)."""
+    rows, overheads = [], []
+    for record_path, result_path in zip(record_paths, result_paths):
+        dump, result = json.loads(Path(record_path).read_text()), json.loads(Path(result_path).read_text())
+        for request, index in _paired_requests(dump, result):
+            engine_ttft = request["token_times"][0] - request["arrival_time"]
+            rows.append([1.0, float(_in_flight_at_arrival(dump, request))])
+            overheads.append(result["ttfts"][index] - engine_ttft)
+    if len(rows) < MIN_ADMISSION_PAIRS:
+        return 0.0, 0.0, len(rows)
+    base, per_stream = nnls(np.array(rows), np.array(overheads))
+    return float(base), float(per_stream), len(rows)
+
+
 def fit_from_dumps(record_paths: list[str], result_paths: list[str] | None = None) -> StepTimeModel:
     """Step time and the busy gap from a server's `/v1/records` dumps; with the bench serve results of the same
-    runs, also the admission overhead: a model of the engine as served, client included."""
+    runs, also the admission overhead and (one result per dump, in the same order) the delivery jitter: a model of
+    the engine as served, client included."""
     features, durations, gap = records_from_dumps(record_paths)
     model = fit_step_time_model(features, durations, gap)
     model.meta.update(source=[Path(p).name for p in record_paths])
     if result_paths:
         client, engine = served_ttft_pairs(result_paths)
         model.admission_s = admission_overhead(client, engine)
+        if len(result_paths) == len(record_paths):  # one result per dump: the same runs, in order
+            model.jitter_s, model.jitter_corr = delivery_jitter(record_paths, result_paths)
+            base, per_stream, pairs = admission_by_load(record_paths, result_paths)
+            if pairs >= MIN_ADMISSION_PAIRS:
+                model.admission_s, model.admission_per_stream_s = base, per_stream
         model.meta.update(served_requests=len(client), served_results=[Path(p).name for p in result_paths])
     return model
+
+
+def rescale_from_dumps(model: StepTimeModel, record_paths: list[str]) -> StepTimeModel:
+    """``model`` scaled by the drift (Σ actual ÷ Σ predicted) over the steps of `/v1/records` dumps: the target
+    server's latest runs, so a prediction follows the machine's speed now rather than at calibration."""
+    features, durations, _ = records_from_dumps(record_paths)
+    scaled = model.scaled(drift_scale(model, features, durations))
+    scaled.meta.update(rescaled_on=[Path(p).name for p in record_paths], rescaled_steps=len(durations))
+    return scaled
 
 
 def fit_from_records(records: list[StepRecord], meta: dict[str, Any]) -> StepTimeModel:
@@ -128,6 +214,11 @@ def describe_model(model: StepTimeModel) -> str:
         lines.append("{:<40} {:<10.4f}".format(f"{name} ({unit}):", value * scale))
     lines.append("{:<40} {:<10.3f}".format("inter-step gap (ms):", model.gap_s * 1e3))
     lines.append("{:<40} {:<10.3f}".format("admission overhead (ms):", model.admission_s * 1e3))
+    if model.admission_per_stream_s:
+        lines.append("{:<40} {:<10.3f}".format("  + per request in flight (ms):", model.admission_per_stream_s * 1e3))
+    if model.jitter_s:
+        p10, p90 = np.percentile(model.jitter_s, [10, 90]) * 1e3
+        lines.append("{:<40} {:<10}".format("delivery jitter p10 / p90 (ms):", f"{p10:.1f} / {p90:.1f}"))
     if model.report:
         r = model.report
         lines += ["{:<40} {:<10}".format("steps fitted / held out:", f"{r.num_steps} / {r.num_holdout}"),

@@ -15,7 +15,7 @@ import numpy as np
 from twophase.bench.metrics import METRIC_NAMES, arrival_gaps, parse_goodput, send_offsets
 from twophase.bench.serve import LoadConfig, build_result, format_result, result_json, save_json
 from twophase.config import SchedulerConfig
-from twophase.sim.simulator import ModelPredictor, SimRequest, SimResult, Simulator
+from twophase.sim.simulator import DeliveryJitter, ModelPredictor, SimRequest, SimResult, Simulator
 from twophase.steptime.model import StepTimeModel
 
 SWEEP_KEYS = {"budget": "max_num_batched_tokens", "max-num-seqs": "max_num_seqs", "rate": "request_rate",
@@ -35,9 +35,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--num-kv-blocks", type=int, default=None, help="KV blocks (default: sized as the engine does)")
     sim.add_argument("--gap-ms", type=float, default=None, help="inter-step gap (default: the calibrated one)")
     sim.add_argument("--admission-ms", type=float, default=None,
-                     help="serving overhead per request outside the engine, added before its arrival there "
-                     "(default: the calibrated one)")  # fmt: skip
-    sim.add_argument("--no-noise", action="store_true", help="predicted step times without calibration residuals")
+                     help="serving overhead per request outside the engine, added before its arrival there, "
+                     "whatever the load (default: the calibrated one, growing with the requests in flight)")
+    sim.add_argument("--rescale-from-records", nargs="+", default=None, metavar="JSON",
+                     help="/v1/records dumps of the target server's latest runs: every predicted step is scaled by "
+                     "their actual / predicted step time (the machine's drift since calibrating)")  # fmt: skip
+    sim.add_argument("--noise", action="store_true",
+                     help="multiply each predicted step by a residual ratio drawn from the calibration's steps of its "
+                     "kind (default: the model's prediction; per-step draws widen the tails beyond a served run's)")
+    sim.add_argument("--no-noise", action="store_true", help=argparse.SUPPRESS)  # the default since noise is opt-in
+    sim.add_argument("--no-jitter", action="store_true",
+                     help="the client receives each token as the engine produces it (default: with the served "
+                     "calibration's delivery jitter, when the model has one)")  # fmt: skip
     sim.add_argument("--sweep", nargs="+", default=None, metavar="KEY=V1,V2",
                      help="grid over budget=, max-num-seqs=, rate= or concurrency=; reports the configuration with "
                      "the most goodput at >= --slo-attainment")  # fmt: skip
@@ -106,6 +115,8 @@ class SimSetup:
     gap_s: float
     noise: bool
     admission_s: float = 0.0
+    jitter: bool = False
+    admission_per_stream_s: float = 0.0
 
 
 def sim_setup(args: argparse.Namespace) -> SimSetup:
@@ -116,12 +127,18 @@ def sim_setup(args: argparse.Namespace) -> SimSetup:
         raise ValueError("twophase sim needs --step-time-model FILE (write one with `twophase calibrate`)")
     config = engine_config_from_args(args)
     model = StepTimeModel.load(config.scheduler.step_time_model)
+    if args.rescale_from_records:
+        from twophase.sim.calibrate import rescale_from_dumps
+
+        model = rescale_from_dumps(model, args.rescale_from_records)
     max_len, num_blocks = _engine_shape(config, args.num_kv_blocks)
     scheduler = dataclasses.replace(config.scheduler, max_model_len=max_len)
     gap = model.gap_s if args.gap_ms is None else args.gap_ms / 1000
     admission = model.admission_s if args.admission_ms is None else args.admission_ms / 1000  # checked by Simulator
+    per_stream = model.admission_per_stream_s if args.admission_ms is None else 0.0
+    noise, jitter = args.noise and not args.no_noise, not args.no_jitter and bool(model.jitter_s)
     return SimSetup(scheduler, num_blocks, config.cache.block_size, config.cache.enable_prefix_caching, model, gap,
-                    not args.no_noise, admission)  # fmt: skip
+                    noise, admission, jitter, per_stream)  # fmt: skip
 
 
 def _engine_shape(config: Any, num_kv_blocks: int | None) -> tuple[int, int]:
@@ -176,8 +193,10 @@ def load_config(args: argparse.Namespace) -> LoadConfig:
 def simulate(setup: SimSetup, workload: list[SimRequest], max_concurrency: int | None, seed: int) -> SimResult:
     """One simulated run."""
     predictor = ModelPredictor(setup.model, noise=setup.noise, seed=seed)
+    jitter = DeliveryJitter(setup.model.jitter_s, setup.model.jitter_corr, seed) if setup.jitter else None
     simulator = Simulator(setup.scheduler, setup.num_blocks, setup.block_size, predictor, setup.gap_s,
-                          setup.prefix_caching, admission=setup.admission_s)  # fmt: skip
+                          setup.prefix_caching, admission=setup.admission_s, jitter=jitter,
+                          admission_per_stream=setup.admission_per_stream_s)  # fmt: skip
     return simulator.run(workload, max_concurrency)
 
 
@@ -195,7 +214,8 @@ def cmd_sim(args: argparse.Namespace) -> int:
             "request_rate": args.request_rate if args.request_rate < float("inf") else "inf",
             "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "simulated": True,
             "num_kv_blocks": setup.num_blocks, "num_steps": len(result.steps),
-            "steps_out_of_calibrated_range": result.num_out_of_range}  # fmt: skip
+            "steps_out_of_calibrated_range": result.num_out_of_range,
+            "step_time_scale": setup.model.meta.get("scale", 1.0)}  # fmt: skip
     if args.save_result:
         data = result_json(meta, out, args.save_detailed)
         filename = args.result_filename or f"{args.label or 'twophase'}-sim-{args.request_rate}qps-{data['date']}.json"
@@ -208,9 +228,12 @@ def sim_note(setup: SimSetup, result: SimResult) -> str:
     report = setup.model.report
     error = f", hold-out error {100 * report.holdout_mean_rel_error:.1f}%" if report else ""
     outside = f"; {result.num_out_of_range} steps outside the calibrated range" if result.num_out_of_range else ""
+    scale, steps = setup.model.meta.get("scale"), setup.model.meta.get("rescaled_steps")
+    rescaled = f", step times x{scale:.3f} (the drift over {steps} recorded steps)" if scale else ""
     return (f"simulated: {len(result.steps)} steps, {setup.num_blocks} KV blocks, gap {setup.gap_s * 1e3:.2f} ms, "
-            f"admission {setup.admission_s * 1e3:.1f} ms, noise {'on' if setup.noise else 'off'}{error}"
-            f"{outside}")  # fmt: skip
+            f"admission {setup.admission_s * 1e3:.1f} ms + {setup.admission_per_stream_s * 1e3:.2f} ms per request "
+            f"in flight, noise {'on' if setup.noise else 'off'}, delivery jitter {'on' if setup.jitter else 'off'}"
+            f"{error}{rescaled}{outside}")  # fmt: skip
 
 
 def parse_sim_sweep(items: list[str]) -> list[dict[str, float | str]]:

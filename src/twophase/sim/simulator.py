@@ -5,13 +5,15 @@ sampling row (requests carry ``ignore_eos`` and ``max_tokens``, so output length
 advances by the predictor's step duration, then by the inter-step gap. Arrivals follow the client's schedule
 (offsets, plus a concurrency limit released when a request finishes); a request reaches the scheduler
 ``admission`` seconds after the client sends it (the serving overhead outside the engine: HTTP, tokenization, the
-first chunk's way back), so its client-side TTFT and E2E latency include it. Nothing here reads the wall clock.
+first chunk's way back), so its client-side TTFT and E2E latency include it; with a ``DeliveryJitter`` the client
+receives the later tokens late and in bunches, as a client sharing the CPU does. Nothing here reads the wall clock.
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, replace
 from typing import Callable, Protocol, Sequence
 
 import numpy as np
@@ -22,7 +24,7 @@ from twophase.engine.scheduler import Scheduler
 from twophase.kv_cache.block_manager import BlockManager
 from twophase.metrics.goodput import timeline_record
 from twophase.outputs import ModelRunnerOutput, SchedulerOutput, StepRecord
-from twophase.request import Request, RequestStatus
+from twophase.request import Request, RequestStatus, RequestTimeline
 from twophase.sampling_params import InvalidRequestError, SamplingParams
 from twophase.steptime.budget import BudgetPolicy
 from twophase.steptime.features import StepFeatures, make_step_record, step_features
@@ -56,12 +58,14 @@ class Predictor(Protocol):
 
 
 class ModelPredictor:
-    """A StepTimeModel, optionally multiplied by residual ratios drawn from its calibration (seeded), with a
-    warning the first time a step leaves the calibrated range of a feature."""
+    """A StepTimeModel, optionally multiplied by a residual ratio drawn from its calibration's steps of the same
+    kind (with or without prompt tokens; seeded), with a warning the first time a step leaves the calibrated range
+    of a feature."""
 
     def __init__(self, model: StepTimeModel, noise: bool = False, seed: int = 0) -> None:
         self.model = model
         self.rng = np.random.default_rng(seed) if noise and model.residual_ratios else None
+        self.residuals = {kind: model.residuals_of_kind(kind) for kind in (False, True)}
         self.warned: set[str] = set()
         self.num_out_of_range = 0
 
@@ -76,8 +80,40 @@ class ModelPredictor:
                 self.warned.add(name)
         seconds = self.model.predict(features)
         if self.rng is not None:
-            seconds *= float(self.rng.choice(self.model.residual_ratios))
+            seconds *= float(self.rng.choice(self.residuals[features.prefill_tokens > 0]))
         return seconds
+
+
+class DeliveryJitter:
+    """When a client receives each token after the first, relative to when the engine produced it (beyond the
+    first token's own delay, which the admission overhead covers): draws from a served calibration's delays, as
+    serially correlated as they were (a Gaussian AR(1) of lag-1 correlation ``corr`` mapped through the delays'
+    empirical quantiles). A client sharing the CPU with the server receives tokens late and in bunches: its ITL
+    percentiles spread beyond the engine's while their mean stays."""
+
+    def __init__(self, delays_s: Sequence[float], corr: float, seed: int = 0) -> None:
+        if not delays_s:
+            raise ValueError("delivery jitter needs at least one delay sample")
+        self.sorted = np.sort(np.asarray(delays_s, dtype=float))  # [k]
+        self.corr = min(max(float(corr), 0.0), 0.99)
+        self.rng = np.random.default_rng(seed)
+
+    def draw(self, n: int) -> np.ndarray:
+        """``n`` consecutive delays (seconds) of one request's tokens."""
+        z = self.rng.standard_normal(n)  # [n]
+        g, innovation = np.empty(n), math.sqrt(1.0 - self.corr**2)
+        for i in range(n):
+            g[i] = z[i] if i == 0 else self.corr * g[i - 1] + innovation * z[i]
+        u = np.array([0.5 * (1.0 + math.erf(v / math.sqrt(2.0))) for v in g])  # standard normal CDF, [n]
+        return self.sorted[np.minimum((u * len(self.sorted)).astype(int), len(self.sorted) - 1)]
+
+    def client_times(self, token_times: Sequence[float]) -> list[float]:
+        """The times a client receives the tokens: the first as produced, each later one delayed by a draw but
+        never before the one ahead of it."""
+        times = list(token_times[:1])
+        for produced, delay in zip(token_times[1:], self.draw(len(token_times) - 1)):
+            times.append(max(times[-1], produced + float(delay)))
+        return times
 
 
 class NullRunner:
@@ -116,15 +152,19 @@ class SimResult:
 class Simulator:
     """The real scheduler over a virtual clock. ``gap`` is the inter-step gap: seconds, or a function called
     once per step (the oracle replays recorded gaps); ``admission``: seconds from a client's send to the request's
-    arrival in the engine (0: it arrives as it is sent)."""
+    arrival in the engine (0: it arrives as it is sent), plus ``admission_per_stream`` per request already in
+    flight; ``jitter``: when the client receives the tokens after the
+    first (None: as produced)."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, predictor: Predictor,
                  gap: float | Callable[[], float] = 0.0, enable_prefix_caching: bool = True,
-                 budget_policy: BudgetPolicy | None = None, start_time: float = 0.0, admission: float = 0.0) -> None:
-        if admission < 0:
-            raise ValueError(f"admission overhead must be >= 0 s, got {admission}")
+                 budget_policy: BudgetPolicy | None = None, start_time: float = 0.0, admission: float = 0.0,
+                 jitter: DeliveryJitter | None = None, admission_per_stream: float = 0.0) -> None:
+        if admission < 0 or admission_per_stream < 0:
+            raise ValueError(f"admission overhead must be >= 0 s, got {admission} + {admission_per_stream} per stream")
         self.clock = VirtualClock(start_time)
-        self.admission = admission
+        self.admission, self.admission_per_stream = admission, admission_per_stream
+        self.jitter = jitter
         self.scheduler = Scheduler(config, BlockManager(num_blocks, block_size, enable_prefix_caching), self.clock,
                                    budget_policy)  # fmt: skip
         self.predictor = predictor
@@ -145,9 +185,10 @@ class Simulator:
         while pending or admitting or self.scheduler.has_unfinished:
             while pending and in_flight < limit and t0 + workload[pending[-1]].send_offset <= self.clock():
                 item, now = workload[pending.pop()], self.clock()
-                request = self._request(item, len(sent), now + self.admission)
+                arrival = now + self.admission + self.admission_per_stream * in_flight
+                request = self._request(item, len(sent), arrival)
                 sent.append((request, now))
-                admitting.append((request, now + self.admission))
+                admitting.append((request, arrival))
                 in_flight += 1
             in_flight -= self._admit(admitting)
             if not self.scheduler.has_unfinished:
@@ -157,9 +198,16 @@ class Simulator:
                 continue
             in_flight -= self.step()
         duration = self.clock() - t0
-        records = [timeline_record(r.timeline, r.num_prompt_tokens, send) for r, send in sent]
+        records = [timeline_record(self._client_view(r.timeline), r.num_prompt_tokens, send) for r, send in sent]
         return SimResult(records, duration, self.steps, [r for r, _ in sent], self.step_tokens,
                          getattr(self.predictor, "num_out_of_range", 0))  # fmt: skip
+
+    def _client_view(self, timeline: RequestTimeline) -> RequestTimeline:
+        """The timeline with token times as the client receives them (itself without jitter)."""
+        if self.jitter is None or len(timeline.token_times) < 2:
+            return timeline
+        times = self.jitter.client_times(timeline.token_times)
+        return replace(timeline, token_times=times, finish_time=max(timeline.finish_time or times[-1], times[-1]))
 
     def _request(self, item: SimRequest, index: int, arrival: float) -> Request:
         """The engine's request for one workload item, arriving at ``arrival``."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -19,6 +19,7 @@ from twophase.steptime.features import FEATURE_NAMES, StepFeatures
 
 SCHEMA = "twophase.steptime.v1"
 MIN_STEP_S = 1e-6
+MIN_KIND_RESIDUALS = 20  # fewer residuals of a step kind than this: draw from all steps
 log = logging.getLogger(__name__)
 
 
@@ -63,10 +64,15 @@ class StepTimeModel:
     """duration = Σ coefficient · feature (FEATURE_NAMES order), plus the calibration's context.
 
     ``feature_max``: the largest value of each feature seen in calibration (a step beyond it is extrapolated);
-    ``residual_ratios``: actual ÷ predicted of the calibration steps; ``gap_s``: the median time between the end
-    of one step and the start of the next while the engine is busy; ``admission_s``: the serving overhead outside
-    the engine (client send → engine arrival plus engine first token → client receipt, the median of client TTFT
-    minus engine TTFT in a served calibration run; 0 for an engine-only calibration)."""
+    ``residual_ratios``: actual ÷ predicted of the calibration steps, ``residual_prefill``: whether each of those
+    steps computed prompt tokens (the two kinds run different kernels and vary differently; empty: unknown);
+    ``gap_s``: the median time between the end of one step and the start of the next while the engine is busy;
+    ``admission_s``: the serving overhead outside the engine (client send → engine arrival plus engine first token
+    → client receipt: client TTFT minus engine TTFT in a served calibration run; 0 for an engine-only one), plus
+    ``admission_per_stream_s`` per request in flight when it arrives (fitted when a served run's requests pair with
+    the engine's); ``jitter_s`` and ``jitter_corr``: how much later than the engine produced them the client
+    received the tokens after the first, relative to the first token's delay, and their lag-1 correlation (served
+    calibration only; see ``sim.simulator.DeliveryJitter``)."""
 
     coefficients: list[float]
     feature_max: list[float] = field(default_factory=list)
@@ -75,6 +81,18 @@ class StepTimeModel:
     report: FitReport | None = None
     meta: dict[str, Any] = field(default_factory=dict)
     admission_s: float = 0.0
+    residual_prefill: list[bool] = field(default_factory=list)
+    jitter_s: list[float] = field(default_factory=list)  # client-side delivery delays of tokens after the first
+    jitter_corr: float = 0.0  # their lag-1 correlation within a request
+    admission_per_stream_s: float = 0.0  # more admission overhead per request already in flight
+
+    def residuals_of_kind(self, prefill: bool) -> list[float]:
+        """The calibration's residual ratios of the steps with (``prefill``) or without prompt tokens; all of them
+        when that kind has fewer than MIN_KIND_RESIDUALS or the kinds are unknown."""
+        if len(self.residual_prefill) != len(self.residual_ratios):
+            return self.residual_ratios
+        same = [r for r, p in zip(self.residual_ratios, self.residual_prefill) if p == prefill]
+        return same if len(same) >= MIN_KIND_RESIDUALS else self.residual_ratios
 
     def predict(self, features: StepFeatures) -> float:
         """Predicted seconds of one step."""
@@ -89,6 +107,14 @@ class StepTimeModel:
     def coefficient(self, name: str) -> float:
         """One coefficient by feature name."""
         return self.coefficients[FEATURE_NAMES.index(name)]
+
+    def scaled(self, factor: float) -> "StepTimeModel":
+        """A copy whose every predicted step takes ``factor`` times as long (the gap and admission unchanged); its
+        meta records the product of all scales applied."""
+        if not factor > 0:
+            raise ValueError(f"a step-time scale must be positive, got {factor}")
+        meta = {**self.meta, "scale": float(self.meta.get("scale", 1.0)) * factor}
+        return replace(self, coefficients=[c * factor for c in self.coefficients], meta=meta)
 
     def to_json(self) -> dict[str, Any]:
         """The saved form."""
@@ -114,15 +140,29 @@ class StepTimeModel:
         report = FitReport(**data["report"]) if data.get("report") else None
         return cls(list(map(float, data["coefficients"])), list(map(float, data.get("feature_max", []))),
                    list(map(float, data.get("residual_ratios", []))), float(data.get("gap_s", 0.0)), report,
-                   dict(data.get("meta", {})), float(data.get("admission_s", 0.0)))  # fmt: skip
+                   dict(data.get("meta", {})), float(data.get("admission_s", 0.0)),
+                   list(map(bool, data.get("residual_prefill", []))), list(map(float, data.get("jitter_s", []))),
+                   float(data.get("jitter_corr", 0.0)), float(data.get("admission_per_stream_s", 0.0)))  # fmt: skip
 
 
 def _fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative coefficients minimising Σ ((x·c − y) / y)²; columns scaled to unit max for conditioning."""
+    """Non-negative coefficients minimising Σ w·((x·c − y) / y)², each step kind (with or without prompt tokens)
+    weighing as much in total as the other (``kind_weights``); columns scaled to unit max for conditioning."""
     scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0
-    weighted = (x / scale) / y[:, None]  # [m, n]
-    return nnls(weighted, np.ones_like(y)) / scale
+    root_w = np.sqrt(kind_weights(x))  # [m]
+    weighted = (x / scale) / y[:, None] * root_w[:, None]  # [m, n]
+    return nnls(weighted, root_w) / scale
+
+
+def kind_weights(x: np.ndarray) -> np.ndarray:
+    """Per step: 1 / (steps of its kind), so that the few steps carrying prompt tokens (a served run's steps are
+    mostly decode-only) set the prefill coefficients instead of being outvoted; ones when a kind is missing."""
+    prefill = x[:, FEATURE_NAMES.index("prefill_tokens")] > 0  # [m]
+    counts = np.array([(~prefill).sum(), prefill.sum()])
+    if counts.min() == 0:
+        return np.ones(len(x))
+    return len(x) / (2.0 * counts[prefill.astype(int)])
 
 
 def _rel_errors(x: np.ndarray, y: np.ndarray, coef: np.ndarray) -> np.ndarray:
@@ -145,7 +185,9 @@ def fit_step_time_model(features: Sequence[StepFeatures], durations: Sequence[fl
     ratios = y / np.maximum(x @ coef, MIN_STEP_S)
     report = FitReport(len(y), num_holdout, float(_rel_errors(x, y, coef).mean()), float(holdout_errors.mean()),
                        float(np.percentile(holdout_errors, 90)))  # fmt: skip
-    return StepTimeModel(coef.tolist(), x.max(axis=0).tolist(), np.round(ratios, 4).tolist(), gap_s, report)
+    prefill = (x[:, FEATURE_NAMES.index("prefill_tokens")] > 0).tolist()
+    return StepTimeModel(coef.tolist(), x.max(axis=0).tolist(), np.round(ratios, 4).tolist(), gap_s, report,
+                         residual_prefill=prefill)  # fmt: skip
 
 
 def busy_gap(start_times: Sequence[float], durations: Sequence[float], step_ids: Sequence[int]) -> float:
@@ -155,3 +197,13 @@ def busy_gap(start_times: Sequence[float], durations: Sequence[float], step_ids:
             if step_ids[i + 1] == step_ids[i] + 1]  # fmt: skip
     gaps = [g for g in gaps if g >= 0]
     return float(np.median(gaps)) if gaps else 0.0
+
+
+def drift_scale(model: StepTimeModel, features: Sequence[StepFeatures], durations: Sequence[float]) -> float:
+    """Σ actual ÷ Σ predicted seconds over the steps that computed something: how much slower (> 1) or faster the
+    machine runs now than when ``model`` was fitted. Summed, not averaged per step, so long steps weigh as much as
+    the time they take."""
+    pairs = [(model.predict(f), d) for f, d in zip(features, durations) if not f.is_empty and d > 0]
+    if not pairs:
+        raise ValueError("no timed step to measure the drift on")
+    return sum(d for _, d in pairs) / sum(p for p, _ in pairs)
