@@ -22,10 +22,10 @@ import numpy as np
 from tqdm import tqdm
 
 from twophase.bench.datasets import SampleRequest
-from twophase.server.settings import CLIENT_KEEPALIVE_EXPIRY_S
 from twophase.bench.metrics import (
     RequestRecord, arrival_gaps, calculate_metrics, percentile_word, record_from_chunks, send_offsets, server_split,
 )  # fmt: skip
+from twophase.server.settings import CLIENT_KEEPALIVE_EXPIRY_S
 
 DETAILED_KEYS = ("input_lens", "output_lens", "ttfts", "itls", "generated_texts", "errors", "e2els", "timings")
 HEADERS = (("ttft", "TTFT", "Time to First Token"), ("tpot", "TPOT", "Time per Output Token (excl. 1st token)"),

@@ -153,8 +153,7 @@ class Simulator:
     """The real scheduler over a virtual clock. ``gap`` is the inter-step gap: seconds, or a function called
     once per step (the oracle replays recorded gaps); ``admission``: seconds from a client's send to the request's
     arrival in the engine (0: it arrives as it is sent), plus ``admission_per_stream`` per request already in
-    flight; ``jitter``: when the client receives the tokens after the
-    first (None: as produced)."""
+    flight; ``jitter``: when the client receives the tokens after the first (None: as produced)."""
 
     def __init__(self, config: SchedulerConfig, num_blocks: int, block_size: int, predictor: Predictor,
                  gap: float | Callable[[], float] = 0.0, enable_prefix_caching: bool = True,

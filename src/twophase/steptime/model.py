@@ -150,19 +150,23 @@ def _fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
     weighing as much in total as the other (``kind_weights``); columns scaled to unit max for conditioning."""
     scale = np.abs(x).max(axis=0)
     scale[scale == 0] = 1.0
-    root_w = np.sqrt(kind_weights(x))  # [m]
+    root_w = np.sqrt(kind_weights(has_prompt_tokens(x)))  # [m]
     weighted = (x / scale) / y[:, None] * root_w[:, None]  # [m, n]
     return nnls(weighted, root_w) / scale
 
 
-def kind_weights(x: np.ndarray) -> np.ndarray:
+def has_prompt_tokens(x: np.ndarray) -> np.ndarray:
+    """Per step (a row of regressors), whether it computed prompt tokens: the step's kind."""
+    return x[:, FEATURE_NAMES.index("prefill_tokens")] > 0  # [m]
+
+
+def kind_weights(prefill: np.ndarray) -> np.ndarray:
     """Per step: 1 / (steps of its kind), so that the few steps carrying prompt tokens (a served run's steps are
     mostly decode-only) set the prefill coefficients instead of being outvoted; ones when a kind is missing."""
-    prefill = x[:, FEATURE_NAMES.index("prefill_tokens")] > 0  # [m]
     counts = np.array([(~prefill).sum(), prefill.sum()])
     if counts.min() == 0:
-        return np.ones(len(x))
-    return len(x) / (2.0 * counts[prefill.astype(int)])
+        return np.ones(len(prefill))
+    return len(prefill) / (2.0 * counts[prefill.astype(int)])
 
 
 def _rel_errors(x: np.ndarray, y: np.ndarray, coef: np.ndarray) -> np.ndarray:
@@ -185,9 +189,8 @@ def fit_step_time_model(features: Sequence[StepFeatures], durations: Sequence[fl
     ratios = y / np.maximum(x @ coef, MIN_STEP_S)
     report = FitReport(len(y), num_holdout, float(_rel_errors(x, y, coef).mean()), float(holdout_errors.mean()),
                        float(np.percentile(holdout_errors, 90)))  # fmt: skip
-    prefill = (x[:, FEATURE_NAMES.index("prefill_tokens")] > 0).tolist()
     return StepTimeModel(coef.tolist(), x.max(axis=0).tolist(), np.round(ratios, 4).tolist(), gap_s, report,
-                         residual_prefill=prefill)  # fmt: skip
+                         residual_prefill=has_prompt_tokens(x).tolist())  # fmt: skip
 
 
 def busy_gap(start_times: Sequence[float], durations: Sequence[float], step_ids: Sequence[int]) -> float:
