@@ -5,6 +5,7 @@ Usage: ``python benchmarks/bench_kernels.py [--quick] [--compile] [--layers-only
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 from collections.abc import Callable
 
@@ -12,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from twophase.model.ops.extension import load_kernels
-from twophase.model.ops.linear import MAX_KERNEL_ROWS, PrepackedGemm
 from twophase.model.ops.quant import quantize_q4_1, quantize_q8_0
 from twophase.model.attention import reference_paged_attention
 
@@ -47,6 +47,45 @@ def nbytes(*tensors: torch.Tensor) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
+class PrepackedGemm:
+    """oneDNN's float32 GEMM on a copy of the weight reordered into its blocked layout
+    (``torch.ops.mkldnn._reorder_linear_weight`` / ``_linear_pointwise``, what inductor's ``freezing`` compiles to):
+    the reference our panel kernel is timed against (the engine used it beyond 32 rows until the panels beat it)."""
+
+    PACK_ROWS = 32  # the batch size oneDNN packs for: a hint, any batch runs
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight, self.PACK_ROWS)  # [out, in] logically
+
+    @staticmethod
+    @functools.cache
+    def available() -> bool:
+        """Whether this torch build has oneDNN's reorder and it runs on this CPU."""
+        if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
+            return False
+        try:
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8), PrepackedGemm.PACK_ROWS)
+        except RuntimeError:  # an op registered for a CPU it does not support
+            return False
+        return True
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32 -> [T, out]
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+
+
+class Panels:
+    """A weight packed into our kernel's column panels (int8 with one scale per output), called as the engine's
+    float32 / bfloat16 / int8 layers call it."""
+
+    def __init__(self, kern, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
+        self.kern, self.out_features, self.scale = kern, weight.shape[0], scale
+        self.panels = torch.empty(kern.panel_shape(*weight.shape), dtype=weight.dtype)  # [P, in, 24]
+        kern.pack_panels_(self.panels, weight)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32 -> [T, out]
+        return self.kern.panel_linear(x, self.panels, self.out_features, scale=self.scale)
+
+
 def make_weights(shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
     """Random fp32 weights, one per shape (scaled like a trained model)."""
     return [torch.randn(n, k) / k**0.5 for n, k in shapes]
@@ -57,15 +96,20 @@ def linear_variants(kern, weights: list[torch.Tensor], ms: list[int]) -> dict[st
     v: dict[str, tuple[list, Callable]] = {
         "torch F.linear fp32": ([(w,) for w in weights], lambda x, w: F.linear(x, w)),
     }
-    if PrepackedGemm.available(weights[0]):  # the engine's large-batch GEMM (packed on its first call)
-        gemms = {id(w): PrepackedGemm(w, None) for w in weights}
+    if PrepackedGemm.available():
+        gemms = {id(w): PrepackedGemm(w) for w in weights}
         v["prepacked fp32 (oneDNN)"] = ([(w,) for w in weights], lambda x, w: gemms[id(w)](x))
     if kern is not None:
-        v["ours fp32"] = ([(w,) for w in weights], lambda x, w: kern.linear(x, w))
-        v["ours bf16"] = ([(w.bfloat16(),) for w in weights], lambda x, w: kern.linear(x, w))
+        for name, dtype in (("ours fp32 (panels)", torch.float32), ("ours bf16 (panels)", torch.bfloat16)):
+            packed = [Panels(kern, w.to(dtype)) for w in weights]
+            by_tensor = {id(p.panels): p for p in packed}
+            v[name] = ([(p.panels,) for p in packed], lambda x, t, by_tensor=by_tensor: by_tensor[id(t)](x))
         scales = [w.abs().amax(1) / 127 for w in weights]
         q8 = [(w / s[:, None]).round().to(torch.int8) for w, s in zip(weights, scales)]
-        v["ours int8"] = (list(zip(q8, scales)), lambda x, q, s: kern.linear_int8(x, q, s))
+        packed = [Panels(kern, q, s) for q, s in zip(q8, scales)]
+        by_tensor = {id(p.panels): p for p in packed}
+        v["ours int8 (panels)"] = ([(p.panels, p.scale) for p in packed],
+                                   lambda x, t, s, by_tensor=by_tensor: by_tensor[id(t)](x))
         v["torch _weight_int8pack_mm"] = (list(zip(q8, scales)), lambda x, q, s: torch._weight_int8pack_mm(x, q, s))
         v["ours q8_0 (x int8)"] = ([quantize_q8_0(w) for w in weights], lambda x, q, d: kern.linear_q8_0(x, q, d))
         v["ours q4_1 (x int8)"] = ([quantize_q4_1(w) for w in weights], lambda x, q, d, m: kern.linear_q4_1(x, q, d, m))
@@ -105,33 +149,36 @@ def bench_linear(kern, layers: int, ms: list[int], bw: float, reps: int) -> None
 
 
 def crossover(kern, reps: int) -> None:
-    """Per-M timing of ours vs torch vs the engine's prepacked oneDNN GEMM on the 576x1536 down projection and
-    3072x576 gate_up."""
-    print("\n== crossover: one matrix, us per call ==")
+    """Per-M timing of ours vs torch vs oneDNN's prepacked GEMM on the 576x1536 down projection and 3072x576
+    gate_up."""
+    print("\n== one matrix, us per call ==")
     for n, k in [(2 * INTER, HIDDEN), (HIDDEN, INTER)]:
         w = torch.randn(n, k)
-        wb = w.bfloat16()
-        gemm = PrepackedGemm(w, None)
+        ours, ours_bf16 = Panels(kern, w), Panels(kern, w.bfloat16())
+        gemm = PrepackedGemm(w) if PrepackedGemm.available() else (lambda x: F.linear(x, w))
         print(f"[{n}x{k}]  {'M':>4s} {'ours fp32':>10s} {'ours bf16':>10s} {'F.linear':>10s} {'prepacked':>10s}")
         for m in (1, 2, 4, 8, 16, 32, 64, 128):
             x = torch.randn(m, k)
             ts = [best_time(f, reps * 5) * 1e6 for f in (
-                lambda: kern.linear(x, w), lambda: kern.linear(x, wb), lambda: F.linear(x, w),
-                lambda: gemm(x))]
+                lambda: ours(x), lambda: ours_bf16(x), lambda: F.linear(x, w), lambda: gemm(x))]
             print(f"{'':14s}{m:4d} " + " ".join(f"{t:10.0f}" for t in ts))
 
 
 def bench_gemm(kern, layers: int, reps: int) -> None:
-    """Where float32 layers leave our kernel for a GEMM: the layer matrices (no LM head) at growing M, our kernel
-    vs the engine's PrepackedGemm vs F.linear, each pass timed interleaved; median ms of ``reps`` passes."""
+    """float32 layers at growing M: the layer matrices (no LM head) through our panel kernel vs oneDNN's
+    prepacked GEMM vs F.linear, each pass timed interleaved; median ms of ``reps`` passes and GFLOP/s."""
     weights = make_weights(LAYER_SHAPES * layers)
-    gemms = [PrepackedGemm(w, None) for w in weights]
-    print(f"\n== float32 GEMM crossover: {len(weights)} layer matrices, median ms "
-          f"(the engine switches beyond {MAX_KERNEL_ROWS['none']} rows) ==")
-    print(f"{'M':>5s} {'ours':>9s} {'prepacked':>10s} {'F.linear':>9s} {'ours/prepacked':>15s} {'F.linear/prepacked':>19s}")
-    for m in (16, 32, 48, 64, 96, 128, 256, 512):
+    if not PrepackedGemm.available():
+        raise SystemExit("this torch build has no oneDNN reorder: no prepacked GEMM to compare with")
+    gemms = [PrepackedGemm(w) for w in weights]
+    ours = [Panels(kern, w) for w in weights]
+    flop_per_row = 2 * sum(w.numel() for w in weights)
+    print(f"\n== float32 GEMM: {len(weights)} layer matrices, median ms ==")
+    print(f"{'M':>5s} {'ours':>9s} {'prepacked':>10s} {'F.linear':>9s} {'ours GFLOP/s':>13s} {'ours/prepacked':>15s} "
+          f"{'F.linear/prepacked':>19s}")
+    for m in (1, 4, 16, 32, 64, 128, 256, 512):
         xs = {HIDDEN: torch.randn(m, HIDDEN), INTER: torch.randn(m, INTER)}
-        calls = [lambda: [kern.linear(xs[w.shape[1]], w) for w in weights],
+        calls = [lambda: [p(xs[w.shape[1]]) for w, p in zip(weights, ours)],
                  lambda: [g(xs[w.shape[1]]) for w, g in zip(weights, gemms)],
                  lambda: [F.linear(xs[w.shape[1]], w) for w in weights]]
         times: list[list[float]] = [[], [], []]
@@ -142,8 +189,9 @@ def bench_gemm(kern, layers: int, reps: int) -> None:
                 t0 = time.perf_counter()
                 f()
                 ts.append(time.perf_counter() - t0)
-        ours, packed, plain = (sorted(ts)[len(ts) // 2] * 1e3 for ts in times)
-        print(f"{m:5d} {ours:9.1f} {packed:10.1f} {plain:9.1f} {ours / packed:15.2f} {plain / packed:19.2f}")
+        mine, packed, plain = (sorted(ts)[len(ts) // 2] * 1e3 for ts in times)
+        print(f"{m:5d} {mine:9.1f} {packed:10.1f} {plain:9.1f} {flop_per_row * m / mine / 1e6:13.0f} "
+              f"{mine / packed:15.2f} {plain / packed:19.2f}")
 
 
 def layer_weights(layers: int) -> list[tuple[torch.Tensor, ...]]:
@@ -164,15 +212,15 @@ def torch_layers(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]]) -> to
     return x
 
 
-def kernel_layers(kern, x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]]) -> torch.Tensor:
-    """The same layers through our kernels, one Python call per op (the engine's C++ decoder stack makes the
-    same calls without Python in between)."""
+def kernel_layers(kern, x: torch.Tensor, weights: list[tuple]) -> torch.Tensor:
+    """The same layers through our kernels (the matrices as ``Panels``), one Python call per op (the engine's C++
+    decoder stack makes the same calls without Python in between)."""
     residual = x.clone()
     h = kern.rms_norm(residual, weights[0][0], 1e-5)
     for i, (_, qkv, o, norm2, gate_up, down) in enumerate(weights):
-        a = kern.linear(kern.linear(h, qkv)[:, :HIDDEN].contiguous(), o)
+        a = o(qkv(h)[:, :HIDDEN].contiguous())
         kern.add_rms_norm_(a, residual, norm2, 1e-5)  # residual += attn; a = norm2(residual)
-        a = kern.linear(kern.silu_and_mul(kern.linear(a, gate_up)), down)
+        a = down(kern.silu_and_mul(gate_up(a)))
         next_norm = weights[i + 1][0] if i + 1 < len(weights) else weights[0][0]
         kern.add_rms_norm_(a, residual, next_norm, 1e-5)
         h = a
@@ -191,7 +239,9 @@ def bench_layer_stack(kern, layers: int, ms: list[int], bw: float, reps: int, co
         compiled_fn = torch.compile(torch_layers, dynamic=False)
         variants["torch.compile (inductor)"] = lambda x: compiled_fn(x, weights)
     if kern is not None:
-        variants["ours (kernels, Python per op)"] = lambda x: kernel_layers(kern, x, weights)
+        packed = [(n1, Panels(kern, qkv), Panels(kern, o), n2, Panels(kern, gu), Panels(kern, d))
+                  for n1, qkv, o, n2, gu, d in weights]
+        variants["ours (kernels, Python per op)"] = lambda x: kernel_layers(kern, x, packed)
     rows: dict[str, list[str]] = {name: [] for name in variants}
     for m in ms:
         x = torch.randn(m, HIDDEN)

@@ -19,13 +19,7 @@ from prerequisites import in_ci
 from test_parity_hf import PROMPTS, packed_logits
 from twophase import LLM, SamplingParams
 from twophase.model.ops.extension import load_kernels
-from twophase.model.ops.linear import (
-    LARGE_MATRIX_KERNEL_ROWS,
-    LARGE_MATRIX_WEIGHTS,
-    MAX_KERNEL_ROWS,
-    KernelLinear,
-    PrepackedGemm,
-)
+from twophase.model.ops.linear import MAX_KERNEL_ROWS, KernelLinear
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -57,52 +51,35 @@ def test_fp32_kernels_match_float64_reference(fixture, request):
     assert [o.token_ids for o in fast.generate(PROMPTS, GREEDY)] == [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
 
 
-@pytest.mark.parametrize("bias", [False, True])
-def test_prepacked_gemm_matches_f_linear(bias):
-    """The large-batch float32 path (oneDNN on its reordered copy) against F.linear: float32 sums in another
-    order, so within float32 rounding of a K=96 dot product."""
-    if not PrepackedGemm.available(torch.zeros(1)):
-        pytest.skip("this torch build has no oneDNN")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_linear_holds_only_panels_and_runs_every_batch_size(kernels, dtype):
+    """A float32 / bfloat16 layer keeps its weight as column panels only (no row-major copy, none made later), gives
+    it back unpacked, and agrees with F.linear at every batch size; float64 input takes the F.linear reference."""
     torch.manual_seed(0)
-    weight, b = torch.randn(40, 96), torch.randn(40) if bias else None
-    gemm = PrepackedGemm(weight, b)
-    for rows in (1, 33, 200):
-        x = torch.randn(rows, 96)
-        torch.testing.assert_close(gemm(x), torch.nn.functional.linear(x, weight, b), rtol=1e-5, atol=1e-4)
-    assert gemm.packed is not None and gemm.packed.layout == torch._mkldnn
+    weight, bias = torch.randn(50, 96).to(dtype), torch.randn(50).to(dtype)
+    layer = KernelLinear(weight, bias, kernels)
+    assert [name for name, _ in layer.named_buffers()] == ["panels", "bias"] and layer.max_rows == float("inf")
+    assert torch.equal(layer.unpacked_weight(), weight)
+    for rows in (1, 5, 40, 300):
+        x = torch.randn(rows, 96).to(dtype)
+        expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
+        tolerance = {"rtol": 1e-5, "atol": 1e-4} if dtype == torch.float32 else {"rtol": 2e-2, "atol": 5e-2}
+        torch.testing.assert_close(layer(x).double(), expected, **tolerance)
+    x64 = torch.randn(3, 96, dtype=torch.float64)
+    assert torch.equal(layer(x64), torch.nn.functional.linear(x64, weight.double(), bias.double()))
 
 
-def test_a_head_sized_matrix_takes_the_gemm_from_fewer_rows():
-    """A float32 matrix of LM-head size leaves the kernel beyond LARGE_MATRIX_KERNEL_ROWS (a layer-sized one beyond
-    MAX_KERNEL_ROWS), and both paths agree with F.linear on either side of the switch."""
-    if not PrepackedGemm.available(torch.zeros(1)):
-        pytest.skip("this torch build has no oneDNN")
-    torch.manual_seed(0)
-    kernels = load_kernels()
-    head = KernelLinear(torch.randn(LARGE_MATRIX_WEIGHTS // 64, 64), None, kernels)
-    layer = KernelLinear(torch.randn(LARGE_MATRIX_WEIGHTS // 64 - 1, 64), None, kernels)
-    assert head.max_rows == LARGE_MATRIX_KERNEL_ROWS < layer.max_rows == MAX_KERNEL_ROWS["none"]
-    assert KernelLinear(head.weight, None, kernels, batch_invariant=True).max_rows == float("inf")
-    for rows in (LARGE_MATRIX_KERNEL_ROWS, LARGE_MATRIX_KERNEL_ROWS + 8):
-        x = torch.randn(rows, 64)
-        torch.testing.assert_close(head(x), torch.nn.functional.linear(x, head.weight), rtol=1e-5, atol=1e-4)
-    assert head.gemm.packed is not None and layer.gemm.packed is None  # only the head went past its limit
-
-
-def test_long_prompts_leave_the_kernel_for_the_prepacked_gemm(tiny_llama_dir):
-    """A prompt longer than the float32 kernel's row limit runs every projection through PrepackedGemm (packed on
-    that first use), with logits still within the float64 reference's tolerance; batch-invariant runs never do."""
-    prompt = [[(5 * i) % 60 + 2 for i in range(MAX_KERNEL_ROWS["none"] + 9)]]
+def test_long_prompts_stay_in_the_decoder_stack_on_the_panels(tiny_llama_dir):
+    """A prompt longer than the old 32-row GEMM switch runs in the C++ decoder stack on the panel kernel, with
+    logits within the float64 reference's tolerance."""
+    prompt = [[(5 * i) % 60 + 2 for i in range(41)]]
     fast = make_llm(tiny_llama_dir, dtype="float32")
-    layers = [m for m in fast.engine.model_runner.model.modules() if isinstance(m, KernelLinear)]
-    assert layers and all(layer.gemm is not None and layer.gemm.packed is None for layer in layers)
+    model = fast.engine.model_runner.model
+    assert model.stack_max_rows == float("inf")
     reference = make_llm(tiny_llama_dir, dtype="float64", attention_backend="torch", linear_backend="torch")
     torch.testing.assert_close(packed_logits(fast, prompt)[0], packed_logits(reference, prompt)[0].float(),
                                rtol=1e-4, atol=1e-4)
-    projections = [layer for layer in layers if layer is not fast.engine.model_runner.model.logits_head]
-    assert all(layer.gemm.packed is not None for layer in projections)
-    invariant = make_llm(tiny_llama_dir, dtype="float32", deterministic=True)
-    assert all(m.gemm is None for m in invariant.engine.model_runner.model.modules() if isinstance(m, KernelLinear))
+    assert model.stack  # built and run for 41 rows
 
 
 @pytest.mark.parametrize("quantization", ["int8", "q8_0", "q4_1"])
@@ -134,11 +111,11 @@ def test_decoder_stack_is_bit_identical_to_the_python_layer_loop(fixture, quanti
 
 
 def test_decoder_stack_stands_aside_where_an_op_has_no_kernel(tiny_llama_dir):
-    """The torch attention reference, float64 and more rows than the kernels take all run the Python loop."""
+    """The torch attention reference, float64 and more rows than the quantized kernels take all run the Python loop."""
     reference = make_llm(tiny_llama_dir, dtype="float32", attention_backend="torch")
     packed_logits(reference, PROMPTS)
     assert reference.engine.model_runner.model.stack is False
-    wide = make_llm(tiny_llama_dir, dtype="float32")
+    wide = make_llm(tiny_llama_dir, dtype="float32", quantization="q8_0")
     limit = wide.engine.model_runner.model.stack_max_rows
     long_prompt = [[(7 * i) % 50 + 3 for i in range(limit + 5)]]
     wide.engine.model_runner.model.stack = None
@@ -147,14 +124,14 @@ def test_decoder_stack_stands_aside_where_an_op_has_no_kernel(tiny_llama_dir):
 
 
 def test_decoder_stack_takes_as_many_rows_as_every_projection_kernel(tiny_llama_dir):
-    """The stack's row limit is the least of its projections' kernel limits: float32 hands batches over 32 rows to
-    the prepacked GEMM, the block formats keep their kernels to 128 rows, --deterministic keeps every batch."""
+    """The stack's row limit is the least of its projections' kernel limits: float32 panels take every batch, the
+    block formats keep their kernels to 128 rows, --deterministic keeps every batch."""
     limits = {
         "none": make_llm(tiny_llama_dir, dtype="float32").engine.model_runner.model.stack_max_rows,
         "q8_0": make_llm(tiny_llama_dir, dtype="float32", quantization="q8_0").engine.model_runner.model.stack_max_rows,
         "deterministic": make_llm(tiny_llama_dir, dtype="float32", deterministic=True).engine.model_runner.model.stack_max_rows,
     }
-    assert limits == {"none": MAX_KERNEL_ROWS["none"], "q8_0": MAX_KERNEL_ROWS["q8_0"], "deterministic": float("inf")}
+    assert limits == {"none": float("inf"), "q8_0": MAX_KERNEL_ROWS["q8_0"], "deterministic": float("inf")}
 
 
 @pytest.mark.parametrize("quantization", ["none", "q4_1"])
@@ -250,5 +227,5 @@ def test_gguf_weights_run_as_stored(default_model):
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             layer, reference = model.layers[i].get_submodule(name), dense.layers[i].get_submodule(name)
             assert layer.fmt == "q4_1"
-            assert torch.equal(layer.dequantized(), reference.weight), name
+            assert torch.equal(layer.dequantized(), reference.unpacked_weight()), name
     assert torch.equal(model.logits_head.dequantized(), dense.embed_tokens.weight)

@@ -75,8 +75,8 @@ def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
 
 @linux_only
 def test_the_default_model_streams_its_weights_and_cache_from_huge_pages(default_model) -> None:
-    """Every projection, the tied head (one tensor with the embedding, not a second copy) and the KV cache of the
-    engine's float32 default lie in the process arena."""
+    """Every projection's panels, the tied head's and the KV cache of the engine's float32 default lie in the
+    process arena."""
     from twophase import LLM
     from twophase.model.ops.huge_pages import arena
     from twophase.model.ops.linear import KernelLinear
@@ -85,7 +85,6 @@ def test_the_default_model_streams_its_weights_and_cache_from_huge_pages(default
     model = llm.engine.model_runner.model
     layers = [m for m in model.modules() if isinstance(m, KernelLinear)]
     assert len(layers) == 4 * model.config.num_hidden_layers + 1  # qkv, o, gate_up, down; the head
-    assert all(arena().holds(m.weight) for m in layers)
-    assert model.logits_head.weight.data_ptr() == model.embed_tokens.weight.data_ptr()
+    assert all(arena().holds(m.panels) for m in layers)
     k, v = llm.engine.model_runner.kv_caches[0]
     assert arena().holds(k) and arena().holds(v)

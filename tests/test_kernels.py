@@ -29,6 +29,13 @@ if K is None:
 SHAPES = [(131, 577), (64, 64), (5, 1), (7, 33)]  # (N, K): odd N tails, odd K tails, K < 8
 
 
+def panels_of(w: torch.Tensor) -> torch.Tensor:
+    """w [N, K] (float32 / bfloat16) packed into the panel kernel's column panels."""
+    out = torch.empty(K.panel_shape(*w.shape), dtype=w.dtype)
+    K.pack_panels_(out, w)
+    return out
+
+
 def assert_dot_close(y: torch.Tensor, ref: torch.Tensor, absprod: torch.Tensor) -> None:
     """fp32 dot products vs a float64 oracle: the error of a K-term fp32 sum is bounded by ~K*u*sum|x*w|
     (u = 2**-24); typical error is ~sqrt(K)*u*sum|x*w|. 1e-5*sum|x*w| sits between the two for K <= 600."""
@@ -46,11 +53,12 @@ def test_batch_invariant_kernels_give_each_row_its_result_alone(fmt: str) -> Non
     k = 605 if fmt in ("fp32", "bf16", "int8") else 576  # dense: not a multiple of 8 (scalar tail); blocks: whole
     w = torch.randn(n, k, generator=g)
     args = {
-        "fp32": lambda: (w,), "bf16": lambda: (w.bfloat16(),), "q8_0": lambda: quantize_q8_0(w),
+        "fp32": lambda: (panels_of(w),), "bf16": lambda: (panels_of(w.bfloat16()),), "q8_0": lambda: quantize_q8_0(w),
         "q4_1": lambda: quantize_q4_1(w),
-        "int8": lambda: (torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n, generator=g)),
+        "int8": lambda: (panels_of(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)),
+                         torch.rand(n, generator=g)),
     }[fmt]()
-    op = K.LinearOp({"fp32": "dense", "bf16": "dense"}.get(fmt, fmt), list(args), None, True)
+    op = K.LinearOp({"fp32": "panels", "bf16": "panels"}.get(fmt, fmt), list(args), None, True, n)
     for m in (2, 3, 4, 7, 130):
         x = torch.randn(m, k, generator=g)
         together = op(x)
@@ -58,22 +66,43 @@ def test_batch_invariant_kernels_give_each_row_its_result_alone(fmt: str) -> Non
         assert torch.equal(together, alone), f"{fmt}, M={m}"
 
 
-@pytest.mark.parametrize("m", [1, 3, 17, 64])
+@pytest.mark.parametrize("m", [1, 3, 17, 64, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear(m: int, dtype: torch.dtype, with_bias: bool) -> None:
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_panel_linear(m: int, dtype: torch.dtype, with_bias: bool, batch_invariant: bool) -> None:
+    """The column-panel kernel at one row (both orders), every tile height (M % 4) and past a row chunk (300 > 256),
+    N a multiple of the panel width or not, against float64."""
     g = torch.Generator().manual_seed(m)
-    for n, k in SHAPES:
+    for n, k in SHAPES + [(48, 40)]:
         x = torch.randn(m, k, generator=g)
         w = torch.randn(n, k, generator=g).to(dtype)  # bf16 values are exact in float64
         b = torch.randn(n, generator=g) if with_bias else None
         ref = x.double() @ w.double().T + (b.double() if with_bias else 0)
-        assert_dot_close(K.linear(x, w, b), ref, x.double().abs() @ w.double().abs().T)
+        y = K.panel_linear(x, panels_of(w), n, b, batch_invariant)
+        assert_dot_close(y, ref, x.double().abs() @ w.double().abs().T)
+
+
+def test_panels_hold_the_weight_and_check_their_arguments() -> None:
+    """Packing is a layout change only (unpacking gives the weight back, padding rows are zero), and a panel tensor
+    of the wrong shape or a row count that does not fit is refused."""
+    w = torch.randn(50, 7)
+    panels = panels_of(w)
+    assert panels.shape == (3, 7, 24)
+    assert torch.equal(panels.permute(0, 2, 1).reshape(-1, 7)[:50], w)
+    assert not panels.permute(0, 2, 1).reshape(-1, 7)[50:].any()
+    with pytest.raises(RuntimeError, match="out must be"):
+        K.pack_panels_(torch.empty(2, 7, 24), w)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        K.panel_linear(torch.randn(1, 7), panels, 80)
+    with pytest.raises(RuntimeError, match="scale goes with int8"):
+        K.panel_linear(torch.randn(1, 7), panels, 50, scale=torch.ones(50))
 
 
 @pytest.mark.parametrize("m", [1, 3, 17, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_linear_int8(m: int, with_bias: bool) -> None:
+def test_panel_linear_int8(m: int, with_bias: bool) -> None:
+    """int8 panels with one scale per output, y = (x @ q.T) * scale + bias."""
     g = torch.Generator().manual_seed(100 + m)
     for n, k in SHAPES:
         x = torch.randn(m, k, generator=g)
@@ -82,7 +111,7 @@ def test_linear_int8(m: int, with_bias: bool) -> None:
         b = torch.randn(n, generator=g) if with_bias else None
         ref = (x.double() @ wq.double().T) * s.double() + (b.double() if with_bias else 0)
         absprod = (x.double().abs() @ wq.double().abs().T) * s.double()
-        assert_dot_close(K.linear_int8(x, wq, s, b), ref, absprod)
+        assert_dot_close(K.panel_linear(x, panels_of(wq), n, b, scale=s), ref, absprod)
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 6, 17, 64])
@@ -175,12 +204,14 @@ def test_fake_quantize_kernel_gives_the_torch_reference_bits() -> None:
         K.fake_quantize_activations(torch.randn(4, 40))
 
 
-def _paged_case(cache_dtype: torch.dtype, block_size: int, seed: int):
-    """Mixed batch: decode rows, prefill chunks starting at 0 and > 0, an idle request; shuffled blocks."""
+def _paged_case(cache_dtype: torch.dtype, block_size: int, seed: int, extra_decodes: int = 0):
+    """Mixed batch: decode rows, prefill chunks starting at 0 and > 0, an idle request, ``extra_decodes`` more
+    decode rows (with enough of them the kernel reads each request's slots for all kv heads in one work item);
+    shuffled blocks."""
     g = torch.Generator().manual_seed(seed)
     heads, kv_heads, dim = 6, 2, 40
-    seq_lens = [1, 37, 100, 16, 53, 9]
-    q_lens = [1, 1, 30, 16, 0, 9]  # decode, decode, chunk at 70.., full prefill, no query, full prefill
+    seq_lens = [1, 37, 100, 16, 53, 9] + torch.randint(1, 150, (extra_decodes,), generator=g).tolist()
+    q_lens = [1, 1, 30, 16, 0, 9] + [1] * extra_decodes  # decode, decode, chunk at 70.., full prefill, none, prefill
     max_blocks = max(-(-s // block_size) for s in seq_lens) + 1
     n_blocks = len(seq_lens) * max_blocks
     perm = torch.randperm(n_blocks, generator=g).to(torch.int32)
@@ -192,16 +223,37 @@ def _paged_case(cache_dtype: torch.dtype, block_size: int, seed: int):
     return q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32), qsl, dim ** -0.5
 
 
+def _many_decodes() -> int:
+    """Decode rows enough for the kernel's whole-slot work items at this thread count."""
+    return 4 * torch.get_num_threads() + 3
+
+
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 7])
-def test_paged_attention(cache_dtype: torch.dtype, block_size: int) -> None:
-    q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(cache_dtype, block_size, seed=block_size)
+@pytest.mark.parametrize("wide", [False, True])
+def test_paged_attention(cache_dtype: torch.dtype, block_size: int, wide: bool) -> None:
+    q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(cache_dtype, block_size, seed=block_size,
+                                                          extra_decodes=_many_decodes() if wide else 0)
     ref = reference_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, qsl, block_size)
     out = torch.full_like(q, float("nan"))
     K.paged_attention(out, q, kc, vc, tables, seq_lens, qsl, block_size, scale)
     # fp32 scores/softmax/accumulation (polynomial exp, ~2 ulp) over <= 100 keys; outputs are convex
     # combinations of N(0,1) values, so absolute errors stay ~1e-6.
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=2e-5)
+
+
+def test_paged_attention_rows_do_not_depend_on_the_batch() -> None:
+    """Each decode row of a wide batch (one work item over all kv heads per request) equals the same row attended
+    alone (one work item per kv head), bit for bit."""
+    q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(torch.float32, 16, seed=11, extra_decodes=_many_decodes())
+    together = torch.empty_like(q)
+    K.paged_attention(together, q, kc, vc, tables, seq_lens, qsl, 16, scale)
+    for r in range(6, len(seq_lens)):
+        row = slice(int(qsl[r]), int(qsl[r + 1]))
+        alone = torch.empty_like(q[row])
+        K.paged_attention(alone, q[row].contiguous(), kc, vc, tables[r : r + 1], seq_lens[r : r + 1],
+                          torch.tensor([0, 1], dtype=torch.int32), 16, scale)
+        assert torch.equal(alone, together[row]), f"request {r}"
 
 
 def test_paged_attention_bf16_q_out() -> None:

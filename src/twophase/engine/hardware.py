@@ -66,10 +66,9 @@ def available_memory() -> int:
     return 4 << 30
 
 
-def kv_cache_budget(device: torch.device, reserve: int = 0) -> int:
-    """Bytes the KV cache may take by default: a fraction of what is free once the weights are in memory, less
-    ``reserve`` bytes that will be allocated later."""
+def kv_cache_budget(device: torch.device) -> int:
+    """Bytes the KV cache may take by default: a fraction of what is free once the weights are in memory."""
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
-        return int(max(0, free - reserve) * KV_CACHE_GPU_FRACTION)
-    return int(max(0, available_memory() - reserve) * KV_CACHE_MEMORY_FRACTION)
+        return int(free * KV_CACHE_GPU_FRACTION)
+    return int(available_memory() * KV_CACHE_MEMORY_FRACTION)

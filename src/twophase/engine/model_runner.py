@@ -20,7 +20,6 @@ from twophase.engine import hardware
 from twophase.engine.input_batch import InputBatch, build_input_batch
 from twophase.model.attention import make_attention_backend
 from twophase.model.ops.huge_pages import arena
-from twophase.model.ops.linear import deferred_gemm_bytes
 from twophase.model.registry import build_model
 from twophase.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from twophase.sample import Sampler, SamplingState
@@ -135,8 +134,7 @@ class ModelRunner:
         budget = cache_config.kv_cache_memory_bytes
         if budget is None:
             wanted = -(-max_model_len // self.block_size) * max_num_seqs * per_block  # every sequence at full length
-            later = deferred_gemm_bytes(self.model)  # the large-batch GEMM's weight copies, made on first use
-            budget = min(wanted, hardware.kv_cache_budget(self.device, reserve=later))
+            budget = min(wanted, hardware.kv_cache_budget(self.device))
         return max(1, budget // per_block)
 
     def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

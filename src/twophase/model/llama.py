@@ -161,9 +161,8 @@ class LlamaForCausalLM(nn.Module):
         head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         self.logits_head = make_linear(head_weight.data, None, quantization, kernels, native.get(head_name),
                                        batch_invariant)
-        head_copy = getattr(self.logits_head, "weight", None)  # a float head may hold its own (huge-page) copy
-        if self.lm_head is None and head_copy is not None and head_copy.data_ptr() != head_weight.data_ptr():
-            self.embed_tokens.weight.data = head_copy  # tied: one tensor for both, not two
+        # a tied head packed for its kernel (column panels, a block format) is a second copy: the embedding looks rows
+        # up in its own row-major tensor
         self.lm_head = None
         self.ops = LayerOps(kernels)
         self.stack, self.stack_caches = None, None  # rebuilt over the packed layers on first use

@@ -6,10 +6,10 @@ The extension is compiled once per (sources, torch version, flags, CPU) into
 
 Kernels (all CPU, OpenMP over torch's intra-op threads, AVX2/FMA with a scalar fallback):
 
-- ``linear(x, w, bias=None, batch_invariant=False)``: x fp32 [M,K]; w fp32 or bf16 [N,K]; bias [N] -> fp32 [M,N].
-  ``batch_invariant``: one summation order per row at every M (else M = 1 takes a faster order of its own).
-- ``linear_int8(x, wq, scale, bias=None, batch_invariant=False)``: wq int8 [N,K], scale fp32 [N]; y = (x @ wq.T)
-  * scale + bias.
+- ``panel_shape(n, k)``, ``pack_panels_(out, w)``: w fp32, bf16 or int8 [N,K] packed into ``out`` [ceil(N/24), K,
+  24] (column panels, k-major); ``panel_linear(x, panels, n, bias=None, batch_invariant=False, scale=None)``: x fp32
+  [M,K] -> fp32 [M,N] = (x @ w.T) * scale + bias at any M (scale fp32 [N]: int8 only). ``batch_invariant``: one
+  summation order per row at every M (else M = 1 takes a faster order of its own).
 - ``linear_q8_0(x, qs, d, bias=None)`` (batch-invariant at every M): qs int8 [N,K], d fp16 [N,K/32]; w = d * q (layouts: ``quant.py``); x is
   rounded to int8 blocks of 32 first (``quant.quantize_activations``), so block dot products are integer.
 - ``linear_q4_1(x, qs, d, m, bias=None)``: qs uint8 [N,K/2] (GGUF nibble order), d, m fp16 [N,K/32]; w = d*q + m;
@@ -20,8 +20,8 @@ Kernels (all CPU, OpenMP over torch's intra-op threads, AVX2/FMA with a scalar f
   ``rms_norm(x, weight, eps)``, ``add_rms_norm_(x, residual, weight, eps)`` (residual += x; x = norm(residual)),
   ``silu_and_mul(gate_up)``, ``rotary_cache_(qkv, positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads)``
   (rotate q/k heads in place from the float32 cos / signed-sin tables, store k/v rows at their cache slots).
-- ``LinearOp(kind, tensors, bias=None, batch_invariant=False)``: one packed projection (``dense`` / ``int8`` /
-  ``q8_0`` / ``q4_1``) over the linear kernels above; the Python linear layers and the decoder stack both call it.
+- ``LinearOp(kind, tensors, bias=None, batch_invariant=False, out_features=0)``: one packed projection
+  (``panels`` / ``int8`` (panels, scale), both with their ``out_features`` / ``q8_0`` / ``q4_1``) over the linear kernels above; the Python linear layers and the decoder stack both call it.
 - ``DecoderStack`` / ``StackLayer`` (``csrc/stack.cpp``): every decoder layer in one call, the kernels above in the
   order of ``model/llama.py``'s loop (see ``ops/stack.py``).
 """

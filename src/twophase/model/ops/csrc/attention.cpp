@@ -13,6 +13,12 @@ namespace {
 
 constexpr int64_t KEY_CHUNK = 64;  // keys scored per softmax update
 constexpr int64_t Q_TILE = 16;     // query positions per work item (times `groups` heads)
+// A request with at most this many queries (a decode row, a short speculative check) is one work item over all its
+// kv heads when there are enough such requests to share the threads: a cache slot holds every kv head's row
+// side by side ([slots, KVH, D]), so one item per kv head read a third of each slot's bytes at a time (a strided
+// stream the prefetcher follows badly), where one item over all heads reads each slot's rows whole.
+constexpr int64_t WHOLE_SLOT_MAX_QUERIES = 4;
+constexpr int64_t WHOLE_SLOT_ITEMS_PER_THREAD = 4;  // fewer requests than this per thread: one item per kv head
 
 // Converts n elements of T to float.
 inline void to_f32(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
@@ -29,7 +35,8 @@ inline void from_f32(uint16_t* dst, const float* src, int64_t n) {
 }
 
 struct WorkItem {
-  int32_t req, kv_head, q0, q1;  // query rows [q0, q1) of request `req` (offsets within the request)
+  int32_t req, kv0, kv1, q0, q1;  // kv heads [kv0, kv1) x query rows [q0, q1) of request `req` (offsets within it)
+  int64_t rows(int64_t groups) const { return static_cast<int64_t>(kv1 - kv0) * (q1 - q0) * groups; }
 };
 
 struct Args {
@@ -113,20 +120,22 @@ inline void accumulate(float* acc, float alpha, const float* p, const float* con
   }
 }
 
-// One work item: `rows` = (q1-q0) queries x groups heads sharing kv head g; online softmax over key chunks.
+// One work item: for each kv head g of [kv0, kv1), its (q1-q0) queries x groups heads; online softmax over key
+// chunks, every kv head's rows of a chunk before the next chunk. Row rr = ((g - kv0) * (q1-q0) + i - q0) * G + gh.
+// Each row's arithmetic is the same whatever the item's shape (batch invariance).
 template <class T, class QT>
 void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc, const T* vc, Scratch& sc) {
   const int64_t D = a.D, G = a.groups, bs = a.block_size;  // bs: cache block size
   const int64_t seq = a.seq_lens[w.req], tok0 = a.qsl[w.req];
   const int64_t q_len = a.qsl[w.req + 1] - tok0, start = seq - q_len;
-  const int64_t rows = (w.q1 - w.q0) * G;
-  for (int64_t i = w.q0; i < w.q1; ++i)
-    for (int64_t gh = 0; gh < G; ++gh) {
-      int64_t rr = (i - w.q0) * G + gh, h = w.kv_head * G + gh;
-      to_f32(sc.q.data() + rr * D, q + (tok0 + i) * a.q_s0 + h * D, D);
-      scale_f32(sc.q.data() + rr * D, a.scale, D);
-      sc.pos[rr] = start + i;
-    }
+  const int64_t per_head = (w.q1 - w.q0) * G, rows = w.rows(G);
+  auto head_of = [&](int64_t rr) { return (w.kv0 + rr / per_head) * G + rr % G; };
+  auto query_of = [&](int64_t rr) { return w.q0 + (rr % per_head) / G; };
+  for (int64_t rr = 0; rr < rows; ++rr) {
+    to_f32(sc.q.data() + rr * D, q + (tok0 + query_of(rr)) * a.q_s0 + head_of(rr) * D, D);
+    scale_f32(sc.q.data() + rr * D, a.scale, D);
+    sc.pos[rr] = start + query_of(rr);
+  }
   std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.f);
   std::fill(sc.m.begin(), sc.m.begin() + rows, -std::numeric_limits<float>::infinity());
   std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
@@ -134,31 +143,31 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
   const int32_t* bt = a.block_tables + w.req * a.max_blocks;
   for (int64_t p0 = 0; p0 <= last;) {
     const int64_t n = std::min(KEY_CHUNK, last + 1 - p0);
-    const float* K[KEY_CHUNK];
-    const float* V[KEY_CHUNK];
-    kv_rows(kc, a.k_s0, w.kv_head * a.k_s1, bt, bs, p0, n, D, sc.kbuf.data(), K);
-    kv_rows(vc, a.v_s0, w.kv_head * a.v_s1, bt, bs, p0, n, D, sc.vbuf.data(), V);
-    for (int64_t rr = 0; rr < rows; ++rr) {
-      const int64_t nv = std::min(n, sc.pos[rr] - p0 + 1);  // causal: keys p0..pos
-      if (nv <= 0) continue;
-      float* s = sc.s.data() + rr * KEY_CHUNK;
-      const float mx = scores(sc.q.data() + rr * D, K, nv, D, s);
-      const float m_new = std::max(sc.m[rr], mx);
-      const float alpha = std::exp(sc.m[rr] - m_new);  // 0 on the first chunk (m = -inf)
-      const float psum = exp_sub_sum(s, s, m_new, nv);
-      sc.l[rr] = sc.l[rr] * alpha + psum;
-      sc.m[rr] = m_new;
-      accumulate(sc.acc.data() + rr * D, alpha, s, V, nv, D);
+    for (int64_t g = w.kv0; g < w.kv1; ++g) {
+      const float* K[KEY_CHUNK];
+      const float* V[KEY_CHUNK];
+      kv_rows(kc, a.k_s0, g * a.k_s1, bt, bs, p0, n, D, sc.kbuf.data(), K);
+      kv_rows(vc, a.v_s0, g * a.v_s1, bt, bs, p0, n, D, sc.vbuf.data(), V);
+      for (int64_t rr = (g - w.kv0) * per_head; rr < (g - w.kv0 + 1) * per_head; ++rr) {
+        const int64_t nv = std::min(n, sc.pos[rr] - p0 + 1);  // causal: keys p0..pos
+        if (nv <= 0) continue;
+        float* s = sc.s.data() + rr * KEY_CHUNK;
+        const float mx = scores(sc.q.data() + rr * D, K, nv, D, s);
+        const float m_new = std::max(sc.m[rr], mx);
+        const float alpha = std::exp(sc.m[rr] - m_new);  // 0 on the first chunk (m = -inf)
+        const float psum = exp_sub_sum(s, s, m_new, nv);
+        sc.l[rr] = sc.l[rr] * alpha + psum;
+        sc.m[rr] = m_new;
+        accumulate(sc.acc.data() + rr * D, alpha, s, V, nv, D);
+      }
     }
     p0 += n;
   }
-  for (int64_t i = w.q0; i < w.q1; ++i)
-    for (int64_t gh = 0; gh < G; ++gh) {
-      int64_t rr = (i - w.q0) * G + gh, h = w.kv_head * G + gh;
-      float* acc = sc.acc.data() + rr * D;
-      scale_f32(acc, sc.l[rr] > 0.f ? 1.f / sc.l[rr] : 0.f, D);
-      from_f32(out + (tok0 + i) * a.q_s0 + h * D, acc, D);
-    }
+  for (int64_t rr = 0; rr < rows; ++rr) {
+    float* acc = sc.acc.data() + rr * D;
+    scale_f32(acc, sc.l[rr] > 0.f ? 1.f / sc.l[rr] : 0.f, D);
+    from_f32(out + (tok0 + query_of(rr)) * a.q_s0 + head_of(rr) * D, acc, D);
+  }
 }
 
 // Runs all work items with dynamic scheduling over torch's intra-op threads.
@@ -167,8 +176,10 @@ void run_items(const Args& a, const std::vector<WorkItem>& items, const QT* q, Q
   std::atomic<int64_t> next{0};
   const int64_t n_items = static_cast<int64_t>(items.size());
   const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), n_items);
+  int64_t max_rows = 0;
+  for (const WorkItem& w : items) max_rows = std::max(max_rows, w.rows(a.groups));
   at::parallel_for(0, nthreads, 1, [&](int64_t t0, int64_t t1) {
-    Scratch sc(Q_TILE * a.groups, a.D);
+    Scratch sc(max_rows, a.D);
     for (int64_t t = t0; t < t1; ++t)
       for (int64_t i; (i = next.fetch_add(1)) < n_items;) attend<T, QT>(a, items[i], q, out, kc, vc, sc);
   });
@@ -201,6 +212,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   Args a{H, KVH, q.size(2), H / KVH, block_size, bt.size(1), H * q.size(2),
          k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
          static_cast<float>(scale), bt.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), qsl.data_ptr<int32_t>()};
+  int64_t short_requests = 0;
+  for (int32_t r = 0; r < R; ++r) short_requests += a.qsl[r + 1] - a.qsl[r] <= WHOLE_SLOT_MAX_QUERIES;
+  const bool whole_slots = short_requests >= WHOLE_SLOT_ITEMS_PER_THREAD * at::get_num_threads();
   std::vector<WorkItem> items;
   for (int32_t r = 0; r < R; ++r) {
     const int32_t q_len = a.qsl[r + 1] - a.qsl[r];
@@ -212,13 +226,17 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
       TORCH_CHECK(id >= 0 && (id + 1) * block_size <= k_cache.size(0), "request ", r, ": block id ", id,
                   " outside the cache");
     }
+    if (whole_slots && q_len <= WHOLE_SLOT_MAX_QUERIES) {
+      if (q_len > 0) items.push_back({r, 0, static_cast<int32_t>(KVH), 0, q_len});
+      continue;
+    }
     for (int32_t g = 0; g < KVH; ++g)
-      for (int32_t i = 0; i < q_len; i += Q_TILE) items.push_back({r, g, i, std::min<int32_t>(i + Q_TILE, q_len)});
+      for (int32_t i = 0; i < q_len; i += Q_TILE) items.push_back({r, g, g + 1, i, std::min<int32_t>(i + Q_TILE, q_len)});
   }
   // Longest contexts first so dynamic scheduling balances the tail.
   std::sort(items.begin(), items.end(), [&](const WorkItem& x, const WorkItem& y) {
     auto cost = [&](const WorkItem& w) {
-      return (int64_t)(a.seq_lens[w.req] - (a.qsl[w.req + 1] - a.qsl[w.req]) + w.q1) * (w.q1 - w.q0);
+      return (int64_t)(a.seq_lens[w.req] - (a.qsl[w.req + 1] - a.qsl[w.req]) + w.q1) * w.rows(1);
     };
     return cost(x) > cost(y);
   });

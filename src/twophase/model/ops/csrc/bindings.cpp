@@ -7,10 +7,12 @@
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "twophase CPU kernels (small-M linear, quantized linear, paged attention, fused layer ops)";
-  m.def("linear", &tp::linear, "y = x @ w.T + bias (w fp32/bf16)", py::arg("x"), py::arg("w"),
-        py::arg("bias") = py::none(), py::arg("batch_invariant") = false);
-  m.def("linear_int8", &tp::linear_int8, "y = (x @ wq.T) * scale + bias", py::arg("x"), py::arg("wq"),
-        py::arg("scale"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false);
+  m.def("panel_shape", &tp::panel_shape, "shape of the column panels of a weight [n, k]", py::arg("n"), py::arg("k"));
+  m.def("pack_panels_", &tp::pack_panels_, "pack w fp32/bf16/int8 [N, K] into out, its column panels", py::arg("out"),
+        py::arg("w"));
+  m.def("panel_linear", &tp::panel_linear, "y = (x @ w.T) * scale + bias for w in column panels (n: w's rows)",
+        py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false,
+        py::arg("scale") = py::none());
   m.def("linear_q8_0", &tp::linear_q8_0, "GGUF Q8_0 linear (x rounded to int8 blocks)", py::arg("x"), py::arg("qs"), py::arg("d"),
         py::arg("bias") = py::none());
   m.def("linear_q4_1", &tp::linear_q4_1, "GGUF Q4_1 linear (x rounded to int8 blocks)", py::arg("x"), py::arg("qs"), py::arg("d"),
@@ -31,9 +33,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float32 [T, K] rounded to int8 blocks of 32 (q * d), as the Q8_0 / Q4_1 kernels see it", py::arg("x"));
   m.def("dequantize_blocks", &tp::dequantize_blocks, "packed q8_0 (qs, d) / q4_1 (qs, d, m) -> float32 [N, K]",
         py::arg("fmt"), py::arg("packed"));
-  py::class_<tp::LinearOp>(m, "LinearOp", "one projection as packed: dense (w), int8 (wq, scale), q8_0 (qs, d), q4_1 (qs, d, m)")
-      .def(py::init<const std::string&, std::vector<at::Tensor>, c10::optional<at::Tensor>, bool>(), py::arg("kind"),
-           py::arg("tensors"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false)
+  py::class_<tp::LinearOp>(m, "LinearOp", "one projection as packed: panels (w's column panels), int8 (its panels, scale), q8_0 (qs, d), q4_1 (qs, d, m)")
+      .def(py::init<const std::string&, std::vector<at::Tensor>, c10::optional<at::Tensor>, bool, int64_t>(),
+           py::arg("kind"), py::arg("tensors"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false,
+           py::arg("out_features") = 0)
       .def("__call__", &tp::LinearOp::operator(), py::arg("x"));
   py::class_<tp::StackLayer>(m, "StackLayer", "one decoder layer's norms and projections")
       .def(py::init<at::Tensor, at::Tensor, tp::LinearOp, tp::LinearOp, tp::LinearOp, tp::LinearOp>(),

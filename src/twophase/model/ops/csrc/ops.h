@@ -8,10 +8,13 @@
 
 namespace tp {
 // batch_invariant: each output row summed in one order at every batch size (the block formats always are).
-at::Tensor linear(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias,
-                  bool batch_invariant);
-at::Tensor linear_int8(const at::Tensor& x, const at::Tensor& wq, const at::Tensor& scale,
-                       const c10::optional<at::Tensor>& bias, bool batch_invariant);
+
+// Column panels of a float32 / bfloat16 / int8 weight [N, K] (linear.cpp, kPanel): its shape, packing it into `out`,
+// and y = (x @ W.T) * scale + bias through them at any batch size (scale: int8 only).
+std::vector<int64_t> panel_shape(int64_t N, int64_t K);
+void pack_panels_(at::Tensor& out, const at::Tensor& w);
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const c10::optional<at::Tensor>& bias,
+                        bool batch_invariant, const c10::optional<at::Tensor>& scale);
 at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const c10::optional<at::Tensor>& bias);
 // x float32 [T, K] rounded to int8 blocks of 32 (q * d), what the Q8_0 / Q4_1 kernels compute with.

@@ -7,23 +7,25 @@
 namespace tp {
 
 LinearOp::LinearOp(const std::string& kind, std::vector<at::Tensor> tensors, c10::optional<at::Tensor> bias,
-                   bool batch_invariant)
-    : t_(std::move(tensors)), bias_(std::move(bias)), batch_invariant_(batch_invariant) {
+                   bool batch_invariant, int64_t out_features)
+    : t_(std::move(tensors)), bias_(std::move(bias)), batch_invariant_(batch_invariant), out_features_(out_features) {
   size_t want = 0;
-  if (kind == "dense") kind_ = Kind::Dense, want = 1;
+  if (kind == "panels") kind_ = Kind::Panels, want = 1;
   else if (kind == "int8") kind_ = Kind::Int8, want = 2;
   else if (kind == "q8_0") kind_ = Kind::Q8_0, want = 2;
   else if (kind == "q4_1") kind_ = Kind::Q4_1, want = 3;
-  else TORCH_CHECK(false, "LinearOp: unknown kind '", kind, "' (dense, int8, q8_0, q4_1)");
+  else TORCH_CHECK(false, "LinearOp: unknown kind '", kind, "' (panels, int8, q8_0, q4_1)");
   TORCH_CHECK(t_.size() == want, "LinearOp ", kind, ": expected ", want, " tensors, got ", t_.size());
+  TORCH_CHECK((kind_ != Kind::Panels && kind_ != Kind::Int8) || out_features_ > 0,
+              "LinearOp ", kind, ": out_features is required");
   for (auto& t : t_) t = t.contiguous();
   if (bias_.has_value() && bias_->defined()) bias_ = bias_->to(at::kFloat).contiguous();
 }
 
 at::Tensor LinearOp::operator()(const at::Tensor& x) const {
   switch (kind_) {
-    case Kind::Dense: return tp::linear(x, t_[0], bias_, batch_invariant_);
-    case Kind::Int8: return tp::linear_int8(x, t_[0], t_[1], bias_, batch_invariant_);
+    case Kind::Panels: return tp::panel_linear(x, t_[0], out_features_, bias_, batch_invariant_, c10::nullopt);
+    case Kind::Int8: return tp::panel_linear(x, t_[0], out_features_, bias_, batch_invariant_, t_[1]);
     case Kind::Q8_0: return tp::linear_q8_0(x, t_[0], t_[1], bias_);  // batch-invariant at every M
     case Kind::Q4_1: return tp::linear_q4_1(x, t_[0], t_[1], t_[2], bias_);
   }

@@ -7,20 +7,22 @@
 
 namespace tp {
 
-// One projection y = x W^T + b as its Python layer packed it: "dense" (w fp32/bf16), "int8" (wq, scale),
-// "q8_0" (qs, d) or "q4_1" (qs, d, m) — the kernel's argument order. The Python linear layers call it too, so
+// One projection y = x W^T + b as its Python layer packed it: "panels" (W fp32/bf16 in column panels, from
+// pack_panels_), "int8" (int8 panels, scale), "q8_0" (qs, d) or "q4_1" (qs, d, m) — the kernel's argument order;
+// out_features: W's rows (panels and int8). The Python linear layers call it too, so
 // the stack and the layer loop run one object per projection.
 class LinearOp {
  public:
   LinearOp(const std::string& kind, std::vector<at::Tensor> tensors, c10::optional<at::Tensor> bias,
-           bool batch_invariant);
+           bool batch_invariant, int64_t out_features);
   at::Tensor operator()(const at::Tensor& x) const;  // x fp32 [M, K] -> fp32 [M, N]
 
  private:
-  enum class Kind { Dense, Int8, Q8_0, Q4_1 } kind_;
+  enum class Kind { Panels, Int8, Q8_0, Q4_1 } kind_;
   std::vector<at::Tensor> t_;
   c10::optional<at::Tensor> bias_;
   bool batch_invariant_;
+  int64_t out_features_;
 };
 
 struct StackLayer {
