@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <memory>
+#include <type_traits>
 #include <vector>
 #include "common.h"
 #include "ops.h"
@@ -409,26 +411,58 @@ inline void store_panel(const PanelProblem<W>& p, int64_t m0, int64_t panel, con
   }
 }
 
-template <class W, int MR>
-inline void panel_block(const PanelProblem<W>& p, const float* xp, int64_t m0, int64_t panel) {
+// Rows m0 .. m0 + MR of one panel, its weights at wp (the panel itself, or its float32 copy: WT = WF32).
+template <class WT, int MR, class W>
+inline void panel_block(const PanelProblem<W>& p, const typename WT::T* wp, const float* xp, int64_t m0,
+                        int64_t panel) {
   float acc[MR][kPanel];
-  panel_tile<W, MR>(xp, p.panels + panel * p.K * kPanel, p.K, acc);
+  panel_tile<WT, MR>(xp, wp, p.K, acc);
   store_panel<W, MR>(p, m0, panel, acc);
 }
 
 // x [M, K] packed k-major per block of 4 rows (the last block holds the M % 4 rows left): block b at b * 4 * K.
-std::vector<float> pack_rows_k_major(const float* x, int64_t M, int64_t K) {
-  std::vector<float> xp(M * K);
+// Into a buffer of the calling thread kept between calls: a fresh allocation of a prefill chunk's rows (megabytes)
+// was mapped and zeroed by the C library on every call of every projection.
+const float* pack_rows_k_major(const float* x, int64_t M, int64_t K) {
+  thread_local std::unique_ptr<float[]> buffer;
+  thread_local int64_t capacity = 0;
+  if (capacity < M * K) buffer.reset(new float[M * K]), capacity = M * K;  // not value-initialised
+  float* xp = buffer.get();
   at::parallel_for(0, (M + 3) / 4, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t m0 = b * 4, mr = std::min<int64_t>(4, M - m0);
-      float* dst = xp.data() + m0 * K;
+      float* dst = xp + m0 * K;
       for (int64_t m = 0; m < mr; ++m)
         for (int64_t k = 0; k < K; ++k) dst[k * mr + m] = x[(m0 + m) * K + k];
     }
   });
   return xp;
 }
+
+// A panel's K x 24 weights as float32 (exact).
+template <class W>
+inline void to_float_panel(const typename W::T* wp, int64_t K, float* out) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  for (; i < K * kPanel; i += 8) _mm256_storeu_ps(out + i, W::eight(wp + i));
+#endif
+  for (; i < K * kPanel; ++i) out[i] = W::one(wp + i);
+}
+
+// panel_block for the 1-4 rows left at m0.
+template <class WT, class W>
+inline void panel_rows(const PanelProblem<W>& p, const typename WT::T* wp, const float* xb, int64_t m0, int64_t q,
+                       int64_t rows) {
+  switch (rows) {
+    case 4: panel_block<WT, 4>(p, wp, xb, m0, q); break;
+    case 3: panel_block<WT, 3>(p, wp, xb, m0, q); break;
+    case 2: panel_block<WT, 2>(p, wp, xb, m0, q); break;
+    default: panel_block<WT, 1>(p, wp, xb, m0, q);
+  }
+}
+
+// Rows beyond which bfloat16 / int8 panels are converted to float32 once per pass (see panel_run).
+constexpr int64_t kConvertRows = 8;
 
 // Rows of x per pass over a thread's panels: the packed rows stay in cache while the panels stream.
 constexpr int64_t kPanelRowChunk = 256;
@@ -447,20 +481,25 @@ void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
     });
     return;
   }
-  const std::vector<float> xp = pack_rows_k_major(x, p.M, p.K);
+  const float* xp = pack_rows_k_major(x, p.M, p.K);
   at::parallel_for(0, panels, 1, [&](int64_t q0, int64_t q1) {
+    // bfloat16 / int8 panels for more than kConvertRows rows: converted to float32 once per panel and pass, not once
+    // per 4-row tile (int8 converts in 3 instructions per 8 weights, in every tile). The conversion is exact, so
+    // every row's arithmetic is the same either way.
+    constexpr bool convert = !std::is_same_v<W, WF32>;
+    std::vector<float> wf(convert && p.M > kConvertRows ? p.K * kPanel : 0);
     for (int64_t c0 = 0; c0 < p.M; c0 += kPanelRowChunk) {
       const int64_t c1 = std::min(p.M, c0 + kPanelRowChunk);
-      for (int64_t q = q0; q < q1; ++q)
+      for (int64_t q = q0; q < q1; ++q) {
+        const typename W::T* wq = p.panels + q * p.K * kPanel;
+        if (!wf.empty()) to_float_panel<W>(wq, p.K, wf.data());
         for (int64_t m0 = c0; m0 < c1; m0 += 4) {
-          const float* xb = xp.data() + m0 * p.K;
-          switch (std::min<int64_t>(4, p.M - m0)) {
-            case 4: panel_block<W, 4>(p, xb, m0, q); break;
-            case 3: panel_block<W, 3>(p, xb, m0, q); break;
-            case 2: panel_block<W, 2>(p, xb, m0, q); break;
-            default: panel_block<W, 1>(p, xb, m0, q);
-          }
+          const float* xb = xp + m0 * p.K;
+          const int64_t rows = std::min<int64_t>(4, p.M - m0);
+          if (!wf.empty()) panel_rows<WF32>(p, wf.data(), xb, m0, q, rows);
+          else panel_rows<W>(p, wq, xb, m0, q, rows);
         }
+      }
     }
   });
 }
