@@ -1,4 +1,4 @@
-"""Kernel benchmark on this machine: memory bandwidth, small-M linear over SmolLM2-135M's 121 matrices,
+"""Kernel benchmark on this machine: memory bandwidth, linear layers over SmolLM2-135M's 121 matrices,
 attention-free layer stacks (eager torch, torch.compile, our kernels), paged attention decode.
 Usage: ``python benchmarks/bench_kernels.py [--quick] [--compile] [--layers-only] [--gemm]``."""
 
