@@ -294,14 +294,15 @@ void q8_dispatch(const Problem& p, const typename Q::T* q, const uint16_t* d, co
   else q8_run<Q, 4, 1>(p, q, d, mn, xq);
 }
 
-// ---- column panels (float32 / bfloat16 weights at any batch size) -----------------------------------------
+// ---- column panels (float32 / bfloat16 / int8 weights at any batch size) ----------------------------------
 // The weight [N, K] is packed once at load time into panels of kPanel = 24 output columns, k-major:
 // panels[p][k][j] = W[p * 24 + j][k] (rows past N zero). A 4 x 24 tile keeps 12 accumulators, loads the panel's
 // 24 weights of one k into 3 registers and multiplies them by 4 broadcast activations (x packed k-major per block
 // of 4 rows, as a BLIS micro-kernel does): 12 FMAs per 3 vector loads + 4 broadcasts, so it runs at the FMA rate
 // instead of streaming each weight row per row tile. SmolLM2-135M's 120 layer matrices on 2 Zen 3 cores, against
-// oneDNN's prepacked GEMM (what inductor's freezing uses): 145 vs 111 GFLOP/s at 32 rows, 182 vs 156 at 512 (the
-// FMA peak measured on the same cores: 182); one row, 2 chains per column: at the row kernel's bandwidth.
+// oneDNN's prepacked GEMM (what inductor's freezing uses; benchmarks/bench_kernels.py --gemm): 137 vs 108 GFLOP/s at
+// 32 rows, 155 vs 137 at 512 (the FMA peak measured on the same cores: 182); one row, 2 chains per column: at the
+// bandwidth of the row-streaming kernel it replaced.
 // Every output is one FMA chain over k = 0..K-1 in order at every batch size, so each row's result is the same
 // whatever the batch (batch-invariant), except the one-row kernel (two chains, even and odd k), which runs only
 // when batch invariance is not asked for.
@@ -317,7 +318,8 @@ struct PanelProblem {
 };
 
 // Keeps v in a register (an empty asm the compiler cannot see through): without it GCC folds each weight load into
-// the FMAs, 12 loads per k instead of 3, and the tile becomes load-bound (~105 instead of ~145 GFLOP/s at 32 rows).
+// the FMAs, 12 loads per k instead of 3, and the tile becomes load-bound (a standalone copy at 32 rows: ~105 instead
+// of ~145 GFLOP/s).
 #if defined(__AVX2__) && defined(__GNUC__)
 #define TP_IN_REGISTER(v) __asm__("" : "+x"(v))
 #else
