@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from twophase.model.ops.extension import load_kernels
+from twophase.model.ops.linear import KernelLinear
 from twophase.model.ops.quant import quantize_q4_1, quantize_q8_0
 from twophase.model.attention import reference_paged_attention
 
@@ -73,19 +74,6 @@ class PrepackedGemm:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
 
 
-class Panels:
-    """A weight packed into our kernel's column panels (int8 with one scale per output), called as the engine's
-    float32 / bfloat16 / int8 layers call it."""
-
-    def __init__(self, kern, weight: torch.Tensor, scale: torch.Tensor | None = None) -> None:
-        self.kern, self.out_features, self.scale = kern, weight.shape[0], scale
-        self.panels = torch.empty(kern.panel_shape(*weight.shape), dtype=weight.dtype)  # [P, in, 24]
-        kern.pack_panels_(self.panels, weight)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] float32 -> [T, out]
-        return self.kern.panel_linear(x, self.panels, self.out_features, scale=self.scale)
-
-
 def make_weights(shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
     """Random fp32 weights, one per shape (scaled like a trained model)."""
     return [torch.randn(n, k) / k**0.5 for n, k in shapes]
@@ -101,15 +89,15 @@ def linear_variants(kern, weights: list[torch.Tensor], ms: list[int]) -> dict[st
         v["prepacked fp32 (oneDNN)"] = ([(w,) for w in weights], lambda x, w: gemms[id(w)](x))
     if kern is not None:
         for name, dtype in (("ours fp32 (panels)", torch.float32), ("ours bf16 (panels)", torch.bfloat16)):
-            packed = [Panels(kern, w.to(dtype)) for w in weights]
+            packed = [KernelLinear(w.to(dtype), None, kern) for w in weights]
             by_tensor = {id(p.panels): p for p in packed}
-            v[name] = ([(p.panels,) for p in packed], lambda x, t, by_tensor=by_tensor: by_tensor[id(t)](x))
+            v[name] = ([(p.panels,) for p in packed], lambda x, t, by_tensor=by_tensor: by_tensor[id(t)].op(x))
         scales = [w.abs().amax(1) / 127 for w in weights]
         q8 = [(w / s[:, None]).round().to(torch.int8) for w, s in zip(weights, scales)]
-        packed = [Panels(kern, q, s) for q, s in zip(q8, scales)]
+        packed = [KernelLinear(q, None, kern, scale=s) for q, s in zip(q8, scales)]
         by_tensor = {id(p.panels): p for p in packed}
         v["ours int8 (panels)"] = ([(p.panels, p.scale) for p in packed],
-                                   lambda x, t, s, by_tensor=by_tensor: by_tensor[id(t)](x))
+                                   lambda x, t, s, by_tensor=by_tensor: by_tensor[id(t)].op(x))
         v["torch _weight_int8pack_mm"] = (list(zip(q8, scales)), lambda x, q, s: torch._weight_int8pack_mm(x, q, s))
         v["ours q8_0 (x int8)"] = ([quantize_q8_0(w) for w in weights], lambda x, q, d: kern.linear_q8_0(x, q, d))
         v["ours q4_1 (x int8)"] = ([quantize_q4_1(w) for w in weights], lambda x, q, d, m: kern.linear_q4_1(x, q, d, m))
@@ -154,7 +142,7 @@ def crossover(kern, reps: int) -> None:
     print("\n== one matrix, us per call ==")
     for n, k in [(2 * INTER, HIDDEN), (HIDDEN, INTER)]:
         w = torch.randn(n, k)
-        ours, ours_bf16 = Panels(kern, w), Panels(kern, w.bfloat16())
+        ours, ours_bf16 = KernelLinear(w, None, kern).op, KernelLinear(w.bfloat16(), None, kern).op
         gemm = PrepackedGemm(w) if PrepackedGemm.available() else (lambda x: F.linear(x, w))
         print(f"[{n}x{k}]  {'M':>4s} {'ours fp32':>10s} {'ours bf16':>10s} {'F.linear':>10s} {'prepacked':>10s}")
         for m in (1, 2, 4, 8, 16, 32, 64, 128):
@@ -171,7 +159,7 @@ def bench_gemm(kern, layers: int, reps: int) -> None:
     if not PrepackedGemm.available():
         raise SystemExit("this torch build has no oneDNN reorder: no prepacked GEMM to compare with")
     gemms = [PrepackedGemm(w) for w in weights]
-    ours = [Panels(kern, w) for w in weights]
+    ours = [KernelLinear(w, None, kern).op for w in weights]
     flop_per_row = 2 * sum(w.numel() for w in weights)
     print(f"\n== float32 GEMM: {len(weights)} layer matrices, median ms ==")
     print(f"{'M':>5s} {'ours':>9s} {'prepacked':>10s} {'F.linear':>9s} {'ours GFLOP/s':>13s} {'ours/prepacked':>15s} "
@@ -213,7 +201,7 @@ def torch_layers(x: torch.Tensor, weights: list[tuple[torch.Tensor, ...]]) -> to
 
 
 def kernel_layers(kern, x: torch.Tensor, weights: list[tuple]) -> torch.Tensor:
-    """The same layers through our kernels (the matrices as ``Panels``), one Python call per op (the engine's C++
+    """The same layers through our kernels (each matrix as its ``KernelLinear``'s op), one Python call per op (the engine's C++
     decoder stack makes the same calls without Python in between)."""
     residual = x.clone()
     h = kern.rms_norm(residual, weights[0][0], 1e-5)
@@ -239,8 +227,8 @@ def bench_layer_stack(kern, layers: int, ms: list[int], bw: float, reps: int, co
         compiled_fn = torch.compile(torch_layers, dynamic=False)
         variants["torch.compile (inductor)"] = lambda x: compiled_fn(x, weights)
     if kern is not None:
-        packed = [(n1, Panels(kern, qkv), Panels(kern, o), n2, Panels(kern, gu), Panels(kern, d))
-                  for n1, qkv, o, n2, gu, d in weights]
+        packed = [(n1, *(KernelLinear(w, None, kern).op for w in (qkv, o)), n2,
+                   *(KernelLinear(w, None, kern).op for w in (gu, d))) for n1, qkv, o, n2, gu, d in weights]
         variants["ours (kernels, Python per op)"] = lambda x: kernel_layers(kern, x, packed)
     rows: dict[str, list[str]] = {name: [] for name in variants}
     for m in ms:

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from twophase.model.ops import extension
+from twophase.model.ops.linear import pack_panels
 from twophase.model.ops.quant import (
     dequantize_q4_1,
     dequantize_q8_0,
@@ -30,10 +31,8 @@ SHAPES = [(131, 577), (64, 64), (5, 1), (7, 33)]  # (N, K): odd N tails, odd K t
 
 
 def panels_of(w: torch.Tensor) -> torch.Tensor:
-    """w [N, K] (float32 / bfloat16) packed into the panel kernel's column panels."""
-    out = torch.empty(K.panel_shape(*w.shape), dtype=w.dtype)
-    K.pack_panels_(out, w)
-    return out
+    """w [N, K] (float32 / bfloat16 / int8) packed into the panel kernel's column panels."""
+    return pack_panels(w, K)
 
 
 def assert_dot_close(y: torch.Tensor, ref: torch.Tensor, absprod: torch.Tensor) -> None:
@@ -91,8 +90,8 @@ def test_panels_hold_the_weight_and_check_their_arguments() -> None:
     assert panels.shape == (3, 7, 24)
     assert torch.equal(panels.permute(0, 2, 1).reshape(-1, 7)[:50], w)
     assert not panels.permute(0, 2, 1).reshape(-1, 7)[50:].any()
-    with pytest.raises(RuntimeError, match="out must be"):
-        K.pack_panels_(torch.empty(2, 7, 24), w)
+    with pytest.raises(RuntimeError, match="size"):
+        pack_panels(w, K, lambda shape, dtype: torch.empty(2, 7, 24, dtype=dtype))
     with pytest.raises(RuntimeError, match="does not fit"):
         K.panel_linear(torch.randn(1, 7), panels, 80)
     with pytest.raises(RuntimeError, match="scale goes with int8"):

@@ -6,8 +6,8 @@ The extension is compiled once per (sources, torch version, flags, CPU) into
 
 Kernels (all CPU, OpenMP over torch's intra-op threads, AVX2/FMA with a scalar fallback):
 
-- ``panel_shape(n, k)``, ``pack_panels_(out, w)``: w fp32, bf16 or int8 [N,K] packed into ``out`` [ceil(N/24), K,
-  24] (column panels, k-major); ``panel_linear(x, panels, n, bias=None, batch_invariant=False, scale=None)``: x fp32
+- ``panel_shape(n, k)``: [ceil(N/24), K, 24], the column panels (k-major) that ``linear.pack_panels`` makes of a fp32,
+  bf16 or int8 weight [N,K]; ``panel_linear(x, panels, n, bias=None, batch_invariant=False, scale=None)``: x fp32
   [M,K] -> fp32 [M,N] = (x @ w.T) * scale + bias at any M (scale fp32 [N]: int8 only). ``batch_invariant``: one
   summation order per row at every M (else M = 1 takes a faster order of its own).
 - ``linear_q8_0(x, qs, d, bias=None)`` (batch-invariant at every M): qs int8 [N,K], d fp16 [N,K/32]; w = d * q (layouts: ``quant.py``); x is

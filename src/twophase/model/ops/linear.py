@@ -67,9 +67,22 @@ class DenseLinear(DirectCallModule):
         return F.linear(x, self.weight, self.bias)
 
 
+def _torch_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    return torch.empty(shape, dtype=dtype)
+
+
+def pack_panels(weight: torch.Tensor, kernels: ModuleType, empty=_torch_empty) -> torch.Tensor:
+    """``weight`` [N, K] as the panel kernel reads it: column panels [ceil(N / 24), K, 24], k-major
+    (``panels[p][k][j] = weight[24p + j][k]``, rows past N zero), in a tensor from ``empty(shape, dtype)``."""
+    panels, k, width = kernels.panel_shape(*weight.shape)
+    out = empty((panels, k, width), weight.dtype)
+    padded = F.pad(weight, (0, 0, 0, panels * width - weight.shape[0]))  # [P * 24, K]
+    return out.copy_(padded.view(panels, width, k).transpose(1, 2))
+
+
 class KernelLinear(DirectCallModule):
     """A float32 / bfloat16 weight, or weight-only int8 with one scale per output, packed once into column panels of
-    24 outputs, k-major (``csrc/linear.cpp``: ``pack_panels_``), and every batch size through the panel kernel
+    24 outputs, k-major (``pack_panels``), and every batch size through the panel kernel
     (``op``, the C++ ``LinearOp`` the decoder stack calls too): at memory bandwidth for one row, at the FMA rate from
     a few rows on. The panels are the only copy of the weight; ``unpacked_weight`` gives it back as loaded (the
     float64 reference path)."""
@@ -79,9 +92,8 @@ class KernelLinear(DirectCallModule):
         """``weight`` [out, in] float32 / bfloat16, or int8 with ``scale`` [out] (w = q · scale)."""
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        panels = arena().empty(tuple(kernels.panel_shape(*weight.shape)), weight.dtype)  # streamed: 2 MiB pages
-        kernels.pack_panels_(panels, weight)
-        self.register_buffer("panels", panels)  # [ceil(out / 24), in, 24]
+        panels = pack_panels(weight, kernels, arena().empty)
+        self.register_buffer("panels", panels)  # [ceil(out / 24), in, 24], streamed every step: in 2 MiB pages
         self.register_buffer("scale", None if scale is None else scale.float())  # [out] (int8) or None
         self.register_buffer("bias", bias)  # [out] or None
         bias32 = None if bias is None else bias.float()

@@ -8,8 +8,6 @@
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "twophase CPU kernels (small-M linear, quantized linear, paged attention, fused layer ops)";
   m.def("panel_shape", &tp::panel_shape, "shape of the column panels of a weight [n, k]", py::arg("n"), py::arg("k"));
-  m.def("pack_panels_", &tp::pack_panels_, "pack w fp32/bf16/int8 [N, K] into out, its column panels", py::arg("out"),
-        py::arg("w"));
   m.def("panel_linear", &tp::panel_linear, "y = (x @ w.T) * scale + bias for w in column panels (n: w's rows)",
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false,
         py::arg("scale") = py::none());

@@ -295,7 +295,7 @@ void q8_dispatch(const Problem& p, const typename Q::T* q, const uint16_t* d, co
 }
 
 // ---- column panels (float32 / bfloat16 / int8 weights at any batch size) ----------------------------------
-// The weight [N, K] is packed once at load time into panels of kPanel = 24 output columns, k-major:
+// The weight [N, K] is packed once at load time (linear.py: pack_panels) into panels of kPanel = 24 output columns, k-major:
 // panels[p][k][j] = W[p * 24 + j][k] (rows past N zero). A 4 x 24 tile keeps 12 accumulators, loads the panel's
 // 24 weights of one k into 3 registers and multiplies them by 4 broadcast activations (x packed k-major per block
 // of 4 rows, as a BLIS micro-kernel does): 12 FMAs per 3 vector loads + 4 broadcasts, so it runs at the FMA rate
@@ -422,14 +422,20 @@ inline void panel_block(const PanelProblem<W>& p, const typename WT::T* wp, cons
   store_panel<W, MR>(p, m0, panel, acc);
 }
 
-// x [M, K] packed k-major per block of 4 rows (the last block holds the M % 4 rows left): block b at b * 4 * K.
-// Into a buffer of the calling thread kept between calls: a fresh allocation of a prefill chunk's rows (megabytes)
-// was mapped and zeroed by the C library on every call of every projection.
-const float* pack_rows_k_major(const float* x, int64_t M, int64_t K) {
+// n floats of this thread's scratch buffer number Slot, kept between calls and grown as needed, never initialised:
+// a fresh vector per call (a prefill chunk's packed rows are megabytes) was mapped and zeroed by the C library on
+// every call of every projection.
+template <int Slot>
+float* thread_scratch(int64_t n) {
   thread_local std::unique_ptr<float[]> buffer;
   thread_local int64_t capacity = 0;
-  if (capacity < M * K) buffer.reset(new float[M * K]), capacity = M * K;  // not value-initialised
-  float* xp = buffer.get();
+  if (capacity < n) buffer.reset(new float[n]), capacity = n;
+  return buffer.get();
+}
+
+// x [M, K] packed k-major per block of 4 rows (the last block holds the M % 4 rows left): block b at b * 4 * K.
+const float* pack_rows_k_major(const float* x, int64_t M, int64_t K) {
+  float* xp = thread_scratch<0>(M * K);
   at::parallel_for(0, (M + 3) / 4, 16, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t m0 = b * 4, mr = std::min<int64_t>(4, M - m0);
@@ -488,33 +494,19 @@ void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
     // bfloat16 / int8 panels for more than kConvertRows rows: converted to float32 once per panel and pass, not once
     // per 4-row tile (int8 converts in 3 instructions per 8 weights, in every tile). The conversion is exact, so
     // every row's arithmetic is the same either way.
-    constexpr bool convert = !std::is_same_v<W, WF32>;
-    std::vector<float> wf(convert && p.M > kConvertRows ? p.K * kPanel : 0);
+    constexpr bool convertible = !std::is_same_v<W, WF32>;
+    float* wf = convertible && p.M > kConvertRows ? thread_scratch<1>(p.K * kPanel) : nullptr;
     for (int64_t c0 = 0; c0 < p.M; c0 += kPanelRowChunk) {
       const int64_t c1 = std::min(p.M, c0 + kPanelRowChunk);
       for (int64_t q = q0; q < q1; ++q) {
         const typename W::T* wq = p.panels + q * p.K * kPanel;
-        if (!wf.empty()) to_float_panel<W>(wq, p.K, wf.data());
+        if (wf) to_float_panel<W>(wq, p.K, wf);
         for (int64_t m0 = c0; m0 < c1; m0 += 4) {
           const float* xb = xp + m0 * p.K;
           const int64_t rows = std::min<int64_t>(4, p.M - m0);
-          if (!wf.empty()) panel_rows<WF32>(p, wf.data(), xb, m0, q, rows);
+          if (wf) panel_rows<WF32>(p, wf, xb, m0, q, rows);
           else panel_rows<W>(p, wq, xb, m0, q, rows);
         }
-      }
-    }
-  });
-}
-
-template <class W>
-void pack_panels_of(const typename W::T* w, int64_t N, int64_t K, typename W::T* out) {
-  const int64_t panels = (N + kPanel - 1) / kPanel;
-  at::parallel_for(0, panels, 1, [&](int64_t q0, int64_t q1) {
-    for (int64_t q = q0; q < q1; ++q) {
-      typename W::T* dst = out + q * K * kPanel;
-      for (int64_t j = 0; j < kPanel; ++j) {
-        const int64_t n = q * kPanel + j;
-        for (int64_t k = 0; k < K; ++k) dst[k * kPanel + j] = n < N ? w[n * K + k] : typename W::T(0);
       }
     }
   });
@@ -603,25 +595,11 @@ at::Tensor linear_q4_1(const at::Tensor& x_in, const at::Tensor& qs_in, const at
   return y;
 }
 
-// Column panels [ceil(N / 24), K, 24] of a float32 / bfloat16 / int8 weight [N, K] (rows past N zero); see kPanel.
+// The shape of the column panels [ceil(N / 24), K, 24] of a float32 / bfloat16 / int8 weight [N, K] (rows past N
+// zero; packed by linear.py: pack_panels); see kPanel.
 std::vector<int64_t> panel_shape(int64_t N, int64_t K) { return {(N + kPanel - 1) / kPanel, K, kPanel}; }
 
-void pack_panels_(at::Tensor& out, const at::Tensor& w_in) {
-  TORCH_CHECK(w_in.dim() == 2, "w must be [N, K]");
-  const int64_t N = w_in.size(0), K = w_in.size(1);
-  TORCH_CHECK(out.sizes() == at::IntArrayRef(panel_shape(N, K)) && out.is_contiguous(),
-              "out must be a contiguous ", at::IntArrayRef(panel_shape(N, K)), " tensor, got ", out.sizes());
-  TORCH_CHECK(out.scalar_type() == w_in.scalar_type(), "out must have w's dtype");
-  const at::Tensor w = w_in.contiguous();
-  if (w.scalar_type() == at::kFloat) pack_panels_of<WF32>(w.data_ptr<float>(), N, K, out.data_ptr<float>());
-  else if (w.scalar_type() == at::kBFloat16)
-    pack_panels_of<WBF16>(reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), N, K,
-                          reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()));
-  else if (w.scalar_type() == at::kChar) pack_panels_of<WI8>(w.data_ptr<int8_t>(), N, K, out.data_ptr<int8_t>());
-  else TORCH_CHECK(false, "w must be float32, bfloat16 or int8, got ", w.scalar_type());
-}
-
-// y = (x @ W.T) * scale + bias for W packed by pack_panels_; x fp32 [M, K]; n: W's rows (N); scale: [N], int8 only.
+// y = (x @ W.T) * scale + bias for W in column panels (linear.py: pack_panels); x fp32 [M, K]; n: W's rows (N); scale: [N], int8 only.
 at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t n,
                         const c10::optional<at::Tensor>& bias, bool batch_invariant,
                         const c10::optional<at::Tensor>& scale) {

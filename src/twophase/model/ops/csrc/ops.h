@@ -9,10 +9,9 @@
 namespace tp {
 // batch_invariant: each output row summed in one order at every batch size (the block formats always are).
 
-// Column panels of a float32 / bfloat16 / int8 weight [N, K] (linear.cpp, kPanel): its shape, packing it into `out`,
+// Column panels of a float32 / bfloat16 / int8 weight [N, K] (linear.cpp, kPanel; packed by linear.py): their shape,
 // and y = (x @ W.T) * scale + bias through them at any batch size (scale: int8 only).
 std::vector<int64_t> panel_shape(int64_t N, int64_t K);
-void pack_panels_(at::Tensor& out, const at::Tensor& w);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const c10::optional<at::Tensor>& bias,
                         bool batch_invariant, const c10::optional<at::Tensor>& scale);
 at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,

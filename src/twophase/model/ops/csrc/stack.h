@@ -8,7 +8,7 @@
 namespace tp {
 
 // One projection y = x W^T + b as its Python layer packed it: "panels" (W fp32/bf16 in column panels, from
-// pack_panels_), "int8" (int8 panels, scale), "q8_0" (qs, d) or "q4_1" (qs, d, m) — the kernel's argument order;
+// linear.py: pack_panels), "int8" (int8 panels, scale), "q8_0" (qs, d) or "q4_1" (qs, d, m) — the kernel's argument order;
 // out_features: W's rows (panels and int8). The Python linear layers call it too, so
 // the stack and the layer loop run one object per projection.
 class LinearOp {
