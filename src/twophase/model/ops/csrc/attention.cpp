@@ -2,7 +2,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
-#include <atomic>
 #include <limits>
 #include <vector>
 #include "common.h"
@@ -188,16 +187,10 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
 // Runs all work items with dynamic scheduling over torch's intra-op threads.
 template <class T, class QT>
 void run_items(const Args& a, const std::vector<WorkItem>& items, const QT* q, QT* out, const T* kc, const T* vc) {
-  std::atomic<int64_t> next{0};
-  const int64_t n_items = static_cast<int64_t>(items.size());
-  const int64_t nthreads = std::min<int64_t>(at::get_num_threads(), n_items);
   int64_t max_rows = 0;
   for (const WorkItem& w : items) max_rows = std::max(max_rows, w.rows(a.groups));
-  at::parallel_for(0, nthreads, 1, [&](int64_t t0, int64_t t1) {
-    Scratch sc(max_rows, a.D);
-    for (int64_t t = t0; t < t1; ++t)
-      for (int64_t i; (i = next.fetch_add(1)) < n_items;) attend<T, QT>(a, items[i], q, out, kc, vc, sc);
-  });
+  dynamic_for(static_cast<int64_t>(items.size()), [&] { return Scratch(max_rows, a.D); },
+              [&](int64_t i, Scratch& sc) { attend<T, QT>(a, items[i], q, out, kc, vc, sc); });
 }
 
 }  // namespace

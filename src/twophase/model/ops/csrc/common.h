@@ -1,5 +1,8 @@
 // Shared helpers for twophase CPU kernels: AVX2 vector primitives with scalar fallbacks.
 #pragma once
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <cmath>
@@ -8,6 +11,19 @@
 #endif
 
 namespace tp {
+
+// Calls body(i, state) for every i in [0, n) on torch's intra-op threads, each thread taking the next index when it
+// finishes the one before (dynamic scheduling: on a shared machine one core often runs slower, and a static split
+// leaves the other waiting at the end); state = make_state() once per thread, for its scratch buffers. Which thread
+// runs an item never changes that item's arithmetic.
+template <class MakeState, class Body>
+void dynamic_for(int64_t n, const MakeState& make_state, const Body& body) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    auto state = make_state();
+    for (int64_t i; (i = next.fetch_add(1)) < n;) body(i, state);
+  });
+}
 
 // bf16 bits -> float (exact: bf16 is the top half of an fp32).
 inline float bf16_to_f32(uint16_t b) {

@@ -4,7 +4,6 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
-#include <atomic>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -494,8 +493,18 @@ constexpr int64_t kPanelGroupsPerThread = 8;
 template <class W>
 void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
   const int64_t panels = (p.N + kPanel - 1) / kPanel;
+  // Groups of panels (times chunks of rows beyond one row) go to the threads as they finish the ones before
+  // (dynamic_for): a static half each left one core idle ~12% of a profiled batch-32 decode step.
+  const int64_t group = std::max<int64_t>(1, panels / (kPanelGroupsPerThread * at::get_num_threads()));
+  const int64_t groups = (panels + group - 1) / group;
+  auto panel_range = [&](int64_t item) {
+    const int64_t q0 = item % groups * group;
+    return std::make_pair(q0, std::min(panels, q0 + group));
+  };
+  auto no_state = [] { return 0; };
   if (p.M == 1) {
-    at::parallel_for(0, panels, 1, [&](int64_t q0, int64_t q1) {
+    dynamic_for(groups, no_state, [&](int64_t item, int) {
+      const auto [q0, q1] = panel_range(item);
       for (int64_t q = q0; q < q1; ++q) {
         float acc[1][kPanel];
         if (batch_invariant) panel_tile<W, 1>(x, p.panels + q * p.K * kPanel, p.K, acc);
@@ -506,32 +515,24 @@ void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
     return;
   }
   const float* xp = pack_rows_k_major(x, p.M, p.K);
-  // Items (row chunk, group of panels) are handed out to the threads as they finish them, not split in halves up
-  // front: on a shared 2-core machine one core often runs slower, and a static split left the other waiting at the
-  // end of every projection (a profiled batch-32 decode step: the worker idle ~12% of its time). Which thread
-  // computes an output never changes its arithmetic.
-  const int64_t group = std::max<int64_t>(1, panels / (kPanelGroupsPerThread * at::get_num_threads()));
-  const int64_t groups = (panels + group - 1) / group, chunks = (p.M + kPanelRowChunk - 1) / kPanelRowChunk;
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), groups * chunks), 1, [&](int64_t, int64_t) {
-    // bfloat16 / int8 panels for more than kConvertRows rows: converted to float32 once per panel and pass, not once
-    // per 4-row tile (int8 converts in 3 instructions per 8 weights, in every tile). The conversion is exact, so
-    // every row's arithmetic is the same either way.
-    constexpr bool convertible = !std::is_same_v<W, WF32>;
-    float* wf = convertible && p.M > kConvertRows ? thread_scratch<1>(p.K * kPanel) : nullptr;
-    for (int64_t item; (item = next.fetch_add(1)) < groups * chunks;) {
-      // Row chunks outermost: every group of one chunk before the next, so the chunk's packed rows stay in cache.
-      const int64_t c0 = item / groups * kPanelRowChunk, c1 = std::min(p.M, c0 + kPanelRowChunk);
-      const int64_t q0 = item % groups * group, q1 = std::min(panels, q0 + group);
-      for (int64_t q = q0; q < q1; ++q) {
-        const typename W::T* wq = p.panels + q * p.K * kPanel;
-        if (wf) to_float_panel<W>(wq, p.K, wf);
-        for (int64_t m0 = c0; m0 < c1; m0 += 4) {
-          const float* xb = xp + m0 * p.K;
-          const int64_t rows = std::min<int64_t>(4, p.M - m0);
-          if (wf) panel_rows<WF32>(p, wf, xb, m0, q, rows);
-          else panel_rows<W>(p, wq, xb, m0, q, rows);
-        }
+  // bfloat16 / int8 panels for more than kConvertRows rows: converted to float32 once per panel and pass, not once
+  // per 4-row tile (int8 converts in 3 instructions per 8 weights, in every tile). The conversion is exact, so
+  // every row's arithmetic is the same either way.
+  constexpr bool convertible = !std::is_same_v<W, WF32>;
+  auto converted = [&] { return convertible && p.M > kConvertRows ? thread_scratch<1>(p.K * kPanel) : nullptr; };
+  const int64_t chunks = (p.M + kPanelRowChunk - 1) / kPanelRowChunk;
+  dynamic_for(groups * chunks, converted, [&](int64_t item, float* wf) {
+    // Row chunks outermost: every group of one chunk before the next, so the chunk's packed rows stay in cache.
+    const int64_t c0 = item / groups * kPanelRowChunk, c1 = std::min(p.M, c0 + kPanelRowChunk);
+    const auto [q0, q1] = panel_range(item);
+    for (int64_t q = q0; q < q1; ++q) {
+      const typename W::T* wq = p.panels + q * p.K * kPanel;
+      if (wf) to_float_panel<W>(wq, p.K, wf);
+      for (int64_t m0 = c0; m0 < c1; m0 += 4) {
+        const float* xb = xp + m0 * p.K;
+        const int64_t rows = std::min<int64_t>(4, p.M - m0);
+        if (wf) panel_rows<WF32>(p, wf, xb, m0, q, rows);
+        else panel_rows<W>(p, wq, xb, m0, q, rows);
       }
     }
   });
