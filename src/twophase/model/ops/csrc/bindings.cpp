@@ -5,6 +5,9 @@
 
 #include "stack.h"
 
+// The decoder stack's forward and a projection's call release the GIL while they run (tensor arguments only): a
+// served step is one such call of up to a second, during which the HTTP thread could otherwise neither admit a
+// request nor stream a token.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "twophase CPU kernels (small-M linear, quantized linear, paged attention, fused layer ops)";
   m.def("panel_shape", &tp::panel_shape, "shape of the column panels of a weight [n, k]", py::arg("n"), py::arg("k"));
@@ -35,7 +38,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(py::init<const std::string&, std::vector<at::Tensor>, c10::optional<at::Tensor>, bool, int64_t>(),
            py::arg("kind"), py::arg("tensors"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false,
            py::arg("out_features") = 0)
-      .def("__call__", &tp::LinearOp::operator(), py::arg("x"));
+      .def("__call__", &tp::LinearOp::operator(), py::arg("x"), py::call_guard<py::gil_scoped_release>());
   py::class_<tp::StackLayer>(m, "StackLayer", "one decoder layer's norms and projections")
       .def(py::init<at::Tensor, at::Tensor, tp::LinearOp, tp::LinearOp, tp::LinearOp, tp::LinearOp>(),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),
@@ -47,5 +50,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("head_dim"), py::arg("cos"), py::arg("sin"))
       .def("set_kv_caches", &tp::DecoderStack::set_kv_caches, py::arg("k_caches"), py::arg("v_caches"))
       .def("forward", &tp::DecoderStack::forward, py::arg("residual"), py::arg("positions"), py::arg("slots"),
-           py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("block_size"));
+           py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("block_size"),
+           py::call_guard<py::gil_scoped_release>());
 }
