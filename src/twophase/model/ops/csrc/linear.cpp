@@ -493,28 +493,13 @@ constexpr int64_t kPanelGroupsPerThread = 8;
 template <class W>
 void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
   const int64_t panels = (p.N + kPanel - 1) / kPanel;
-  // Groups of panels (times chunks of rows beyond one row) go to the threads as they finish the ones before
+  // Groups of panels (times chunks of rows) go to the threads as they finish the ones before
   // (dynamic_for): a static half each left one core idle ~12% of a profiled batch-32 decode step.
   const int64_t group = std::max<int64_t>(1, panels / (kPanelGroupsPerThread * at::get_num_threads()));
   const int64_t groups = (panels + group - 1) / group;
-  auto panel_range = [&](int64_t item) {
-    const int64_t q0 = item % groups * group;
-    return std::make_pair(q0, std::min(panels, q0 + group));
-  };
-  auto no_state = [] { return 0; };
-  if (p.M == 1) {
-    dynamic_for(groups, no_state, [&](int64_t item, int) {
-      const auto [q0, q1] = panel_range(item);
-      for (int64_t q = q0; q < q1; ++q) {
-        float acc[1][kPanel];
-        if (batch_invariant) panel_tile<W, 1>(x, p.panels + q * p.K * kPanel, p.K, acc);
-        else panel_row_two_chains<W>(x, p.panels + q * p.K * kPanel, p.K, acc);
-        store_panel<W, 1>(p, 0, q, acc);
-      }
-    });
-    return;
-  }
-  const float* xp = pack_rows_k_major(x, p.M, p.K);
+  // One row is already k-major, so it is not packed; without batch invariance it takes the two-chain kernel.
+  const float* xp = p.M == 1 ? x : pack_rows_k_major(x, p.M, p.K);
+  const bool two_chains = p.M == 1 && !batch_invariant;
   // bfloat16 / int8 panels for more than kConvertRows rows: converted to float32 once per panel and pass, not once
   // per 4-row tile (int8 converts in 3 instructions per 8 weights, in every tile). The conversion is exact, so
   // every row's arithmetic is the same either way.
@@ -524,9 +509,15 @@ void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
   dynamic_for(groups * chunks, converted, [&](int64_t item, float* wf) {
     // Row chunks outermost: every group of one chunk before the next, so the chunk's packed rows stay in cache.
     const int64_t c0 = item / groups * kPanelRowChunk, c1 = std::min(p.M, c0 + kPanelRowChunk);
-    const auto [q0, q1] = panel_range(item);
+    const int64_t q0 = item % groups * group, q1 = std::min(panels, q0 + group);
     for (int64_t q = q0; q < q1; ++q) {
       const typename W::T* wq = p.panels + q * p.K * kPanel;
+      if (two_chains) {
+        float acc[1][kPanel];
+        panel_row_two_chains<W>(x, wq, p.K, acc);
+        store_panel<W, 1>(p, 0, q, acc);
+        continue;
+      }
       if (wf) to_float_panel<W>(wq, p.K, wf);
       for (int64_t m0 = c0; m0 < c1; m0 += 4) {
         const float* xb = xp + m0 * p.K;
