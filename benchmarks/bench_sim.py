@@ -135,7 +135,7 @@ class ServedCalibration:
     from it the simulated capacities), then each (workload, fraction of its capacity) for ``seconds`` of Poisson
     arrivals. Seeds differ from every accuracy point's, so no predicted request list is calibrated on."""
 
-    burst_prompts: int = 16
+    burst_prompts: int = 16  # at least; raised to the sweep's largest max-num-seqs (see calibration_burst)
     seconds: float = 30.0
     runs: tuple[tuple[str, float], ...] = (("mixed", 0.5), ("mixed", 0.9), ("decode-heavy", 0.7),
                                            ("prefill-heavy", 0.6))  # fmt: skip
@@ -509,12 +509,13 @@ def calibrate_served(profile: Profile, out: Path) -> Path:
     cal_out.mkdir(parents=True, exist_ok=True)
     workloads = {w.name: w for w in profile.workloads}
     start = time.monotonic()
-    print(f"calibrating on a served run ({cal.burst_prompts}-request burst, then {cal.runs}) ...", flush=True)
+    burst_prompts = calibration_burst(profile)
+    print(f"calibrating on a served run ({burst_prompts}-request burst, then {cal.runs}) ...", flush=True)
     server = start_server(profile, out / "logs" / "serve-calibration.log", profile.engine_flags())
     try:
         last_step = records_since(server.url, -1)[1]
         burst = workloads[cal.runs[0][0]]
-        n = cal.burst_prompts - cal.burst_prompts % burst.prompt_multiple
+        n = burst_prompts - burst_prompts % burst.prompt_multiple
         runs = [(f"burst-{burst.name}", [*burst.flags, *traffic_flags(n, math.inf, profile.seed + cal.seed_offset)])]
         last_step = served_run(profile, server, *runs[0], cal_out, last_step)
         provisional = fit_served(profile, cal_out, [name for name, _ in runs], cal_out / "provisional.json")
@@ -531,6 +532,16 @@ def calibrate_served(profile: Profile, out: Path) -> Path:
     path = fit_served(profile, cal_out, [name for name, _ in runs], out / "steptime.json")
     print(f"calibrated in {time.monotonic() - start:.0f} s: {path}", flush=True)
     return path
+
+
+def calibration_burst(profile: Profile) -> int:
+    """Requests in the calibration's burst: ``served.burst_prompts``, or the sweep's largest ``max-num-seqs`` when
+    that is more, so the calibrated range holds the decode batches the sweep asks about. Fitted on at most 16
+    decode rows, the linear step-time model put TPOT at 32 sequences 28-35% above the measured runs' (a decode
+    row costs less as more rows share each weight panel) and halved the sweep's simulated goodput there."""
+    seqs = [int(v) for axis in profile.sweep if axis.startswith("max-num-seqs=")
+            for v in axis.split("=", 1)[1].split(",")]  # fmt: skip
+    return max([profile.served.burst_prompts, *seqs])
 
 
 def served_run(profile: Profile, server: Proc, name: str, flags: list[str], out: Path, last_step: int) -> int:
