@@ -189,6 +189,43 @@ def test_mixed_batch_decode_and_chunks_on_kernels(tiny_llama_dir):
     assert [o.token_ids for o in together] == alone
 
 
+def test_bf16_kv_cache_under_float32_model(tiny_llama_dir):
+    """``cache_dtype="bfloat16"`` (``--kv-cache-dtype``): half the bytes per block; the kernels (rotary + cache
+    write, attention) give the logits of the plain-torch path reading the same bfloat16 cache; both stay within
+    bfloat16's rounding of K and V (a relative 2^-9 per value) of the float32 cache."""
+    fast = make_llm(tiny_llama_dir, dtype="float32", cache_dtype="bfloat16")
+    runner = fast.engine.model_runner
+    assert runner.backend.name == "kernel" and runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert runner.kv_cache_bytes * 2 == make_llm(tiny_llama_dir, dtype="float32").engine.model_runner.kv_cache_bytes
+    plain = make_llm(tiny_llama_dir, dtype="float32", cache_dtype="bfloat16", attention_backend="torch",
+                     linear_backend="torch")  # fmt: skip
+    ours = torch.cat(packed_logits(fast, PROMPTS))  # [tokens, vocab]
+    torch.testing.assert_close(ours, torch.cat(packed_logits(plain, PROMPTS)), rtol=1e-4, atol=1e-4)
+    exact = torch.cat(packed_logits(make_llm(tiny_llama_dir, dtype="float32"), PROMPTS))
+    error = float((ours - exact).abs().max() / exact.abs().max())
+    assert 0 < error < 0.02, f"a bfloat16 cache moved a logit by {error:.4f} of the logit range"
+
+
+def test_bf16_kv_cache_keeps_batch_invariance(tiny_llama_dir):
+    """--deterministic with a bfloat16 cache: each prompt alone and all together under a 7-token budget give the
+    same logprobs bit for bit (rounding K and V on write does not depend on the batch)."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
+
+    def make(budget: int) -> LLM:
+        return LLM(str(tiny_llama_dir), progress=False, block_size=4, num_blocks=128, dtype="float32",
+                   cache_dtype="bfloat16", deterministic=True, enable_prefix_caching=False,
+                   max_num_batched_tokens=budget)  # fmt: skip
+
+    alone = [make(256).generate([p], params)[0] for p in PROMPTS]
+    together = make(7).generate(PROMPTS, params)
+    assert [o.logprobs for o in together] == [o.logprobs for o in alone]
+
+
+def test_kv_cache_dtype_refuses_a_wider_cache_than_the_model(tiny_llama_dir):
+    with pytest.raises(ValueError, match="--kv-cache-dtype float32 needs a float32 model"):
+        make_llm(tiny_llama_dir, dtype="bfloat16", cache_dtype="float32")
+
+
 def teacher_forced_top1(llm: LLM, reference: LLM, prompts: list[list[int]]) -> float:
     """Fraction of positions where ``llm``'s argmax equals ``reference``'s on the same token sequences."""
     agree = total = 0
@@ -198,21 +235,23 @@ def teacher_forced_top1(llm: LLM, reference: LLM, prompts: list[list[int]]) -> f
     return agree / total
 
 
-@pytest.mark.parametrize("dtype,quantization,floor", [("bfloat16", "none", 0.97), ("float32", "int8", 0.95),
-                                                      ("float32", "q8_0", 0.95), ("float32", "gguf", 0.95)])  # fmt: skip
-def test_real_model_agreement_with_float32(default_model, dtype, quantization, floor):
+@pytest.mark.parametrize("dtype,quantization,cache_dtype,floor", [
+    ("bfloat16", "none", "auto", 0.97), ("float32", "int8", "auto", 0.95), ("float32", "q8_0", "auto", 0.95),
+    ("float32", "gguf", "auto", 0.95), ("float32", "none", "bfloat16", 0.97)])  # fmt: skip
+def test_real_model_agreement_with_float32(default_model, dtype, quantization, cache_dtype, floor):
     """Teacher-forced top-1 agreement with float32 on real text (the chat prompts plus their greedy answers).
     q8_0 and gguf (SmolLM2's Q4_1 as stored, against the float32 of the same weights) round activations to int8
-    blocks as llama.cpp does: measured 0.960 and 0.957 (0.99+ with float32 activations, the cost of 2x speed)."""
+    blocks as llama.cpp does: measured 0.960 and 0.957 (0.99+ with float32 activations, the cost of 2x speed).
+    A bfloat16 KV cache under float32 weights (--kv-cache-dtype bfloat16) rounds only K and V."""
     from test_parity_hf import CHAT_PROMPTS
 
     reference = LLM(str(default_model), dtype="float32", progress=False)
     conversations = [[{"role": "user", "content": q}] for q in CHAT_PROMPTS]
     answers = reference.chat(conversations, SamplingParams(temperature=0, max_tokens=48))
     sequences = [reference.render_chat(c) + a.token_ids for c, a in zip(conversations, answers)]
-    other = LLM(str(default_model), dtype=dtype, quantization=quantization, progress=False)
+    other = LLM(str(default_model), dtype=dtype, quantization=quantization, cache_dtype=cache_dtype, progress=False)
     agreement = teacher_forced_top1(other, reference, sequences)
-    print(f"{dtype}/{quantization}: top-1 agreement with float32 {agreement:.3f}")
+    print(f"{dtype}/{quantization}/cache {cache_dtype}: top-1 agreement with float32 {agreement:.3f}")
     assert agreement >= floor
 
 

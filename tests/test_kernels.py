@@ -203,12 +203,12 @@ def test_fake_quantize_kernel_gives_the_torch_reference_bits() -> None:
         K.fake_quantize_activations(torch.randn(4, 40))
 
 
-def _paged_case(cache_dtype: torch.dtype, block_size: int, seed: int, extra_decodes: int = 0):
+def _paged_case(cache_dtype: torch.dtype, block_size: int, seed: int, extra_decodes: int = 0, dim: int = 40):
     """Mixed batch: decode rows, prefill chunks starting at 0 and > 0, an idle request, ``extra_decodes`` more
     decode rows (with enough of them the kernel reads each request's slots for all kv heads in one work item);
     shuffled blocks."""
     g = torch.Generator().manual_seed(seed)
-    heads, kv_heads, dim = 6, 2, 40
+    heads, kv_heads = 6, 2
     seq_lens = [1, 37, 100, 16, 53, 9] + torch.randint(1, 150, (extra_decodes,), generator=g).tolist()
     q_lens = [1, 1, 30, 16, 0, 9] + [1] * extra_decodes  # decode, decode, chunk at 70.., full prefill, none, prefill
     max_blocks = max(-(-s // block_size) for s in seq_lens) + 1
@@ -230,9 +230,10 @@ def _many_decodes() -> int:
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [16, 7])
 @pytest.mark.parametrize("wide", [False, True])
-def test_paged_attention(cache_dtype: torch.dtype, block_size: int, wide: bool) -> None:
+@pytest.mark.parametrize("dim", [40, 64])  # 64: the AVX2 path (bfloat16 rows widened in registers or per chunk)
+def test_paged_attention(cache_dtype: torch.dtype, block_size: int, wide: bool, dim: int) -> None:
     q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(cache_dtype, block_size, seed=block_size,
-                                                          extra_decodes=_many_decodes() if wide else 0)
+                                                          extra_decodes=_many_decodes() if wide else 0, dim=dim)
     ref = reference_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, qsl, block_size)
     out = torch.full_like(q, float("nan"))
     K.paged_attention(out, q, kc, vc, tables, seq_lens, qsl, block_size, scale)
@@ -241,10 +242,12 @@ def test_paged_attention(cache_dtype: torch.dtype, block_size: int, wide: bool) 
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=2e-5)
 
 
-def test_paged_attention_rows_do_not_depend_on_the_batch() -> None:
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_rows_do_not_depend_on_the_batch(cache_dtype: torch.dtype) -> None:
     """Each decode row of a wide batch (one work item over all kv heads per request) equals the same row attended
     alone (one work item per kv head), bit for bit."""
-    q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(torch.float32, 16, seed=11, extra_decodes=_many_decodes())
+    q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(cache_dtype, 16, seed=11, extra_decodes=_many_decodes(),
+                                                          dim=64)
     together = torch.empty_like(q)
     K.paged_attention(together, q, kc, vc, tables, seq_lens, qsl, 16, scale)
     for r in range(6, len(seq_lens)):
@@ -323,8 +326,11 @@ class _RopeConfig:
 
 
 @pytest.mark.parametrize("rows", [1, 5, 64])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_rotary_cache(rows: int, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                               (torch.float32, torch.bfloat16)])  # fmt: skip
+def test_fused_rotary_cache(rows: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
+    """Rotary + cache write against eager torch; a bfloat16 cache under float32 qkv (--kv-cache-dtype) gets each
+    value rounded to nearest even, as torch's .to(torch.bfloat16) rounds it."""
     heads, kv_heads, d = 9, 3, 64
     g = torch.Generator().manual_seed(rows)
     rotary = RotaryEmbedding(_RopeConfig, 4096)
@@ -333,14 +339,17 @@ def test_fused_rotary_cache(rows: int, dtype: torch.dtype) -> None:
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
     cos, sin = rotary(positions, dtype)
     ref_qkv, fast_qkv = qkv.clone(), qkv.clone()
-    caches = [torch.full((256, kv_heads, d), 7.0, dtype=dtype) for _ in range(4)]
+    caches = [torch.full((256, kv_heads, d), 7.0, dtype=cache_dtype) for _ in range(4)]
     EAGER.rotary_cache_(ref_qkv, Rope(positions, rotary.cos, rotary.sin, cos, sin), caches[0], caches[1], slots,
                         heads, kv_heads)  # fmt: skip
     FUSED.rotary_cache_(fast_qkv, Rope(positions, rotary.cos, rotary.sin, None, None), caches[2], caches[3], slots,
                         heads, kv_heads)  # fmt: skip
     assert_matches(fast_qkv, ref_qkv)
-    assert_matches(caches[2], caches[0])
-    assert torch.equal(caches[3], caches[1])  # v is copied, untouched
+    if dtype == cache_dtype:
+        assert_matches(caches[2], caches[0])
+    else:  # k rotated within 1e-5 of eager torch, then rounded: at most one bfloat16 step apart
+        torch.testing.assert_close(caches[2].float(), caches[0].float(), rtol=2**-7, atol=1e-5)
+    assert torch.equal(caches[3], caches[1])  # v is copied (or rounded), untouched
     untouched = torch.ones(256, dtype=torch.bool)
     untouched[slots] = False
     assert (caches[2][untouched] == 7.0).all()  # only the given slots are written

@@ -118,6 +118,7 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     num_blocks: int | None = None
     enable_prefix_caching: bool = True
+    cache_dtype: str = "auto"  # auto: the model's dtype; bfloat16 under a float32 model halves the KV bytes
 
 
 @dataclass(frozen=True)

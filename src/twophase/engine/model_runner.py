@@ -33,6 +33,19 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
+def resolve_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The KV cache's dtype for ``--kv-cache-dtype``: auto is the model's dtype; bfloat16 under a float32 model
+    stores half the bytes (K and V rounded to nearest even when written, read back as float32 by attention)."""
+    dtypes = {"auto": model_dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}
+    if name not in dtypes:
+        raise ValueError(f"unknown KV cache dtype {name!r}; choose auto, float32 or bfloat16")
+    dtype = dtypes[name]
+    if dtype != model_dtype and not (dtype == torch.bfloat16 and model_dtype == torch.float32):
+        raise ValueError(f"--kv-cache-dtype {name} needs a float32 model or the model's own dtype "
+                         f"({str(model_dtype).removeprefix('torch.')})")  # fmt: skip
+    return dtype
+
+
 @dataclass
 class RunnerOptions:
     """How the runner executes: weight format and attention backend (see EngineConfig)."""
@@ -81,6 +94,7 @@ class ModelRunner:
             native_weights = shard_native(native_weights, tp.plan, model_config)
         self.block_size = cache_config.block_size
         self.dtype = dtype
+        self.cache_dtype = resolve_cache_dtype(cache_config.cache_dtype, dtype)
         self.device = device
         self.backend = make_attention_backend(
             options.attention_backend, self.local_config.num_attention_heads, self.local_config.num_key_value_heads,
@@ -128,7 +142,7 @@ class ModelRunner:
             raise ValueError("--deterministic needs " + ", ".join(missing))
 
     def _num_blocks(self, cache_config: CacheConfig, max_model_len: int, max_num_seqs: int) -> int:
-        per_block = kv_bytes_per_block(self.local_config, self.block_size, self.dtype)
+        per_block = kv_bytes_per_block(self.local_config, self.block_size, self.cache_dtype)
         if cache_config.num_blocks:
             return cache_config.num_blocks
         budget = cache_config.kv_cache_memory_bytes
@@ -143,15 +157,15 @@ class ModelRunner:
         # On a CPU in huge-page memory: decode attention reads blocks of slots at scattered addresses.
         def empty() -> torch.Tensor:
             if self.device.type == "cpu":
-                return arena().empty(shape, self.dtype)
-            return torch.empty(shape, dtype=self.dtype, device=self.device)
+                return arena().empty(shape, self.cache_dtype)
+            return torch.empty(shape, dtype=self.cache_dtype, device=self.device)
 
         return [(empty(), empty()) for _ in range(self.model_config.num_hidden_layers)]
 
     @property
     def kv_cache_bytes(self) -> int:
         """Bytes held by the KV cache tensors."""
-        return self.num_blocks * kv_bytes_per_block(self.local_config, self.block_size, self.dtype)
+        return self.num_blocks * kv_bytes_per_block(self.local_config, self.block_size, self.cache_dtype)
 
     def describe(self) -> str:
         """One line for start-up logs: weight format, kernels, attention backend, KV cache size."""
@@ -160,7 +174,8 @@ class ModelRunner:
         return (
             f"weights {weights} ({'C++ kernels' if self.linear_kernels else 'plain torch'}), attention "
             f"{self.backend.name}, KV cache {self.num_blocks} blocks x {self.block_size} = {tokens} tokens "
-            f"({self.kv_cache_bytes / 2**20:.0f} MiB), {torch.get_num_threads()} threads"
+            f"({self.kv_cache_bytes / 2**20:.0f} MiB, {str(self.cache_dtype).removeprefix('torch.')}), "
+            f"{torch.get_num_threads()} threads"
             + (f", tensor parallel {self.tp.size} (this rank: 1/{self.tp.size} of heads, MLP, vocab)" if self.tp else "")
         )
 

@@ -147,7 +147,7 @@ def _engine_shape(config: Any, num_kv_blocks: int | None) -> tuple[int, int]:
 
     from twophase.engine import hardware
     from twophase.engine.llm_engine import resolve_dtype
-    from twophase.engine.model_runner import kv_bytes_per_block
+    from twophase.engine.model_runner import kv_bytes_per_block, resolve_cache_dtype
     from twophase.loader import open_model_source
 
     model_config = open_model_source(config.model).config
@@ -155,7 +155,8 @@ def _engine_shape(config: Any, num_kv_blocks: int | None) -> tuple[int, int]:
     if num_kv_blocks:
         return max_len, num_kv_blocks
     device = torch.device(config.device)
-    per_block = kv_bytes_per_block(model_config, config.cache.block_size, resolve_dtype(config.dtype, device))
+    cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, resolve_dtype(config.dtype, device))
+    per_block = kv_bytes_per_block(model_config, config.cache.block_size, cache_dtype)
     budget = config.cache.kv_cache_memory_bytes
     if budget is None:
         wanted = -(-max_len // config.cache.block_size) * config.scheduler.max_num_seqs * per_block

@@ -78,7 +78,7 @@ class LayerOps:
     ) -> None:
         """Rotate the q and k heads of ``qkv`` in place, then store its k and v rows at their cache slots."""
         head_dim = k_cache.shape[-1]
-        if self.uses_kernels(qkv) and k_cache.dtype == qkv.dtype:
+        if self.uses_kernels(qkv) and k_cache.dtype in (qkv.dtype, torch.bfloat16):
             self.kernels.rotary_cache_(qkv, rope.positions, rope.cos_table, rope.sin_table, k_cache, v_cache, slots,
                                        heads, kv_heads)  # fmt: skip
             return

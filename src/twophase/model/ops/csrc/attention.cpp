@@ -50,50 +50,66 @@ struct Args {
 
 // Per-thread scratch, sized for one work item.
 struct Scratch {
-  std::vector<float> q, acc, s, m, l, kbuf, vbuf;
+  std::vector<float> q, acc, s, m, l, kbuf, vbuf, row;  // k/vbuf: a chunk widened; row: one row, off AVX2
   std::vector<int64_t> pos;
   Scratch(int64_t rows, int64_t D)
       : q(rows * D), acc(rows * D), s(rows * KEY_CHUNK), m(rows), l(rows), kbuf(KEY_CHUNK * D),
-        vbuf(KEY_CHUNK * D), pos(rows) {}
+        vbuf(KEY_CHUNK * D), row(D), pos(rows) {}
 };
 
-// Row pointers of keys/values p0..p0+n-1 of one kv head: in place for fp32, converted into buf for bf16.
+// Row pointers of keys/values p0..p0+n-1 of one kv head, in place (a bfloat16 row is widened in registers where it
+// is read: a copy into a float32 buffer first cost more than the half of the bytes it saved).
 template <class T>
 inline void kv_rows(const T* cache, int64_t s0, int64_t head_off, const int32_t* bt, int64_t bs, int64_t p0,
-                    int64_t n, int64_t D, float* buf, const float** rows) {
+                    int64_t n, const T** rows) {
   int64_t block = p0 / bs, off = p0 % bs;  // walked forward: no division per key
   for (int64_t j = 0; j < n; ++j, ++off) {
     if (off == bs) ++block, off = 0;
-    const T* src = cache + (static_cast<int64_t>(bt[block]) * bs + off) * s0 + head_off;
-    if constexpr (std::is_same_v<T, float>) {
-      rows[j] = src;
-    } else {
-      to_f32(buf + j * D, src, D);
-      rows[j] = buf + j * D;
-    }
+    rows[j] = cache + (static_cast<int64_t>(bt[block]) * bs + off) * s0 + head_off;
   }
+}
+
+// The n bfloat16 rows as float32 rows in buf (D apart).
+inline void widen_rows(const uint16_t* const* rows, int64_t n, int64_t D, float* buf, const float** out) {
+  for (int64_t j = 0; j < n; ++j) to_f32(buf + j * D, rows[j], D), out[j] = buf + j * D;
+}
+inline void widen_rows(const float* const* rows, int64_t n, int64_t, float*, const float** out) {
+  std::copy(rows, rows + n, out);
+}
+
+#ifdef __AVX2__
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return load_bf16x8(p); }
+#endif
+
+// A row's n values from d0 as float32: the row itself, or its bfloat16 values widened into buf.
+inline const float* row_f32(const float* row, int64_t d0, int64_t, float*) { return row + d0; }
+inline const float* row_f32(const uint16_t* row, int64_t d0, int64_t n, float* buf) {
+  to_f32(buf, row + d0, n);
+  return buf;
 }
 
 // s[j] = q . K[j] for j < n; returns max_j s[j]. s must have room for n rounded up to 4.
 // D == 64: q stays in registers and keys go four at a time, each one FMA chain over its 8 slabs, the four partial
 // vectors reduced together (two rounds of hadd, then the halves). The padding keys of the last group repeat the
 // last key, so every key's sum is the same arithmetic wherever it falls in a group.
-inline float scores(const float* q, const float* const* K, int64_t n, int64_t D, float* s) {
+template <class T>
+inline float scores(const float* q, const T* const* K, int64_t n, int64_t D, float* s, float* buf) {
 #ifdef __AVX2__
   if (D == 64) {
     __m256 qv[8];
     for (int d = 0; d < 8; ++d) qv[d] = _mm256_loadu_ps(q + 8 * d);
-    auto partial = [&](const float* k) {
-      __m256 a = _mm256_mul_ps(qv[0], _mm256_loadu_ps(k));
-      for (int d = 1; d < 8; ++d) a = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(k + 8 * d), a);
+    auto partial = [&](const T* k) {
+      __m256 a = _mm256_mul_ps(qv[0], load8(k));
+      for (int d = 1; d < 8; ++d) a = _mm256_fmadd_ps(qv[d], load8(k + 8 * d), a);
       return a;
     };
     __m128 mx = _mm_set1_ps(-std::numeric_limits<float>::infinity());
     for (int64_t j = 0; j < n; j += 4) {
-      const float* k0 = K[j];
-      const float* k1 = K[std::min(j + 1, n - 1)];
-      const float* k2 = K[std::min(j + 2, n - 1)];
-      const float* k3 = K[std::min(j + 3, n - 1)];
+      const T* k0 = K[j];
+      const T* k1 = K[std::min(j + 1, n - 1)];
+      const T* k2 = K[std::min(j + 2, n - 1)];
+      const T* k3 = K[std::min(j + 3, n - 1)];
       const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(partial(k0), partial(k1)),
                                       _mm256_hadd_ps(partial(k2), partial(k3)));
       const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -106,14 +122,15 @@ inline float scores(const float* q, const float* const* K, int64_t n, int64_t D,
 #endif
   float mx = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) {
-    s[j] = dot_f32(q, K[j], D);
+    s[j] = dot_f32(q, row_f32(K[j], 0, D, buf), D);
     mx = std::max(mx, s[j]);
   }
   return mx;
 }
 
 // acc = acc * alpha + sum_j p[j] * V[j] over D; 64-wide slabs of acc stay in registers across keys.
-inline void accumulate(float* acc, float alpha, const float* p, const float* const* V, int64_t n, int64_t D) {
+template <class T>
+inline void accumulate(float* acc, float alpha, const float* p, const T* const* V, int64_t n, int64_t D, float* buf) {
   int64_t d0 = 0;
 #ifdef __AVX2__
   const __m256 al = _mm256_set1_ps(alpha);
@@ -122,15 +139,15 @@ inline void accumulate(float* acc, float alpha, const float* p, const float* con
     for (int d = 0; d < 8; ++d) a[d] = _mm256_mul_ps(al, _mm256_loadu_ps(acc + d0 + 8 * d));
     for (int64_t j = 0; j < n; ++j) {
       const __m256 pj = _mm256_set1_ps(p[j]);
-      const float* v = V[j] + d0;
-      for (int d = 0; d < 8; ++d) a[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(v + 8 * d), a[d]);
+      const T* v = V[j] + d0;
+      for (int d = 0; d < 8; ++d) a[d] = _mm256_fmadd_ps(pj, load8(v + 8 * d), a[d]);
     }
     for (int d = 0; d < 8; ++d) _mm256_storeu_ps(acc + d0 + 8 * d, a[d]);
   }
 #endif
   if (d0 < D) {
     if (alpha != 1.f) scale_f32(acc + d0, alpha, D - d0);
-    for (int64_t j = 0; j < n; ++j) axpy_f32(acc + d0, p[j], V[j] + d0, D - d0);
+    for (int64_t j = 0; j < n; ++j) axpy_f32(acc + d0, p[j], row_f32(V[j], d0, D - d0, buf), D - d0);
   }
 }
 
@@ -153,26 +170,41 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
   std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.f);
   std::fill(sc.m.begin(), sc.m.begin() + rows, -std::numeric_limits<float>::infinity());
   std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
+  // bfloat16 rows are widened in registers where they are read; when more rows than one query's heads read them
+  // (a prefill chunk), once per chunk into float32 buffers instead (each row read ~48 times: 0.7x in registers).
+  const bool widen = !std::is_same_v<T, float> && per_head > G;
   const int64_t last = start + w.q1 - 1;  // furthest key position any row sees
   const int32_t* bt = a.block_tables + w.req * a.max_blocks;
   for (int64_t p0 = 0; p0 <= last;) {
     const int64_t n = std::min(KEY_CHUNK, last + 1 - p0);
     for (int64_t g = w.kv0; g < w.kv1; ++g) {
-      const float* K[KEY_CHUNK];
-      const float* V[KEY_CHUNK];
-      kv_rows(kc, a.k_s0, g * a.k_s1, bt, bs, p0, n, D, sc.kbuf.data(), K);
-      kv_rows(vc, a.v_s0, g * a.v_s1, bt, bs, p0, n, D, sc.vbuf.data(), V);
-      for (int64_t rr = (g - w.kv0) * per_head; rr < (g - w.kv0 + 1) * per_head; ++rr) {
-        const int64_t nv = std::min(n, sc.pos[rr] - p0 + 1);  // causal: keys p0..pos
-        if (nv <= 0) continue;
-        float* s = sc.s.data() + rr * KEY_CHUNK;
-        const float mx = scores(sc.q.data() + rr * D, K, nv, D, s);
-        const float m_new = std::max(sc.m[rr], mx);
-        const float alpha = std::exp(sc.m[rr] - m_new);  // 0 on the first chunk (m = -inf)
-        const float psum = exp_sub_sum(s, s, m_new, nv);
-        sc.l[rr] = sc.l[rr] * alpha + psum;
-        sc.m[rr] = m_new;
-        accumulate(sc.acc.data() + rr * D, alpha, s, V, nv, D);
+      // The rows of kv head g over keys p0 .. p0 + n - 1, K and V rows given as float32 or bfloat16 pointers.
+      auto attend_head = [&](const auto* const* K, const auto* const* V) {
+        for (int64_t rr = (g - w.kv0) * per_head; rr < (g - w.kv0 + 1) * per_head; ++rr) {
+          const int64_t nv = std::min(n, sc.pos[rr] - p0 + 1);  // causal: keys p0..pos
+          if (nv <= 0) continue;
+          float* s = sc.s.data() + rr * KEY_CHUNK;
+          const float mx = scores(sc.q.data() + rr * D, K, nv, D, s, sc.row.data());
+          const float m_new = std::max(sc.m[rr], mx);
+          const float alpha = std::exp(sc.m[rr] - m_new);  // 0 on the first chunk (m = -inf)
+          const float psum = exp_sub_sum(s, s, m_new, nv);
+          sc.l[rr] = sc.l[rr] * alpha + psum;
+          sc.m[rr] = m_new;
+          accumulate(sc.acc.data() + rr * D, alpha, s, V, nv, D, sc.row.data());
+        }
+      };
+      const T* K[KEY_CHUNK];
+      const T* V[KEY_CHUNK];
+      kv_rows(kc, a.k_s0, g * a.k_s1, bt, bs, p0, n, K);
+      kv_rows(vc, a.v_s0, g * a.v_s1, bt, bs, p0, n, V);
+      if (widen) {
+        const float* Kf[KEY_CHUNK];
+        const float* Vf[KEY_CHUNK];
+        widen_rows(K, n, D, sc.kbuf.data(), Kf);
+        widen_rows(V, n, D, sc.vbuf.data(), Vf);
+        attend_head(Kf, Vf);
+      } else {
+        attend_head(K, V);
       }
     }
     p0 += n;

@@ -119,9 +119,18 @@ struct RopeArgs {
   const float *cos, *sin;
 };
 
-template <class T>
+// n values of a rotated row into a cache row: copied when the dtypes match, rounded to nearest even (as torch's
+// .to(torch.bfloat16)) into a bfloat16 cache under float32 activations.
+inline void to_cache(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void to_cache(uint16_t* dst, const uint16_t* src, int64_t n) { std::memcpy(dst, src, n * sizeof(uint16_t)); }
+inline void to_cache(uint16_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+}
+
+template <class T, class C>
 void rotary_cache_impl(const RopeArgs& a, at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache) {
-  T *qp = ptr<T>(qkv), *kc = ptr<T>(k_cache), *vc = ptr<T>(v_cache);
+  T* qp = ptr<T>(qkv);
+  C *kc = ptr<C>(k_cache), *vc = ptr<C>(v_cache);
   const int64_t kvd = a.kv_heads * a.d, ks0 = k_cache.stride(0), vs0 = v_cache.stride(0);
   const int64_t ks1 = k_cache.stride(1), vs1 = v_cache.stride(1);
   for_rows(qkv.size(0), a.row, [&](int64_t t) {
@@ -133,8 +142,8 @@ void rotary_cache_impl(const RopeArgs& a, at::Tensor& qkv, at::Tensor& k_cache, 
     const T *k = row + a.heads * a.d, *v = k + kvd;
     const int64_t slot = a.slots[t];
     for (int64_t h = 0; h < a.kv_heads; ++h) {
-      std::memcpy(kc + slot * ks0 + h * ks1, k + h * a.d, a.d * sizeof(T));
-      std::memcpy(vc + slot * vs0 + h * vs1, v + h * a.d, a.d * sizeof(T));
+      to_cache(kc + slot * ks0 + h * ks1, k + h * a.d, a.d);
+      to_cache(vc + slot * vs0 + h * vs1, v + h * a.d, a.d);
     }
   });
 }
@@ -186,8 +195,9 @@ void rotary_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "rotary_cache_: qkv must be a contiguous [T, C] tensor");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "rotary_cache_: caches must be [S, KVH, D]");
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "rotary_cache_: cache rows contiguous in D");
-  TORCH_CHECK(k_cache.scalar_type() == qkv.scalar_type() && v_cache.scalar_type() == qkv.scalar_type(),
-              "rotary_cache_: caches and qkv must share a dtype");
+  const auto ct = k_cache.scalar_type(), qt = qkv.scalar_type();
+  TORCH_CHECK(v_cache.scalar_type() == ct && (ct == qt || (qt == at::kFloat && ct == at::kBFloat16)),
+              "rotary_cache_: the caches must share qkv's dtype, or be bfloat16 under float32 qkv");
   const int64_t d = k_cache.size(2), T = qkv.size(0);
   TORCH_CHECK(k_cache.size(1) == kv_heads && qkv.size(1) == (heads + 2 * kv_heads) * d, "rotary_cache_: shapes");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
@@ -202,8 +212,9 @@ void rotary_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
     TORCH_CHECK(a.positions[t] >= 0 && a.positions[t] < a.positions_max, "rotary_cache_: position out of range");
     TORCH_CHECK(a.slots[t] >= 0 && a.slots[t] < k_cache.size(0), "rotary_cache_: slot out of range");
   }
-  if (qkv.scalar_type() == at::kFloat) rotary_cache_impl<float>(a, qkv, k_cache, v_cache);
-  else if (qkv.scalar_type() == at::kBFloat16) rotary_cache_impl<uint16_t>(a, qkv, k_cache, v_cache);
+  if (qt == at::kFloat && ct == at::kFloat) rotary_cache_impl<float, float>(a, qkv, k_cache, v_cache);
+  else if (qt == at::kFloat) rotary_cache_impl<float, uint16_t>(a, qkv, k_cache, v_cache);
+  else if (qt == at::kBFloat16) rotary_cache_impl<uint16_t, uint16_t>(a, qkv, k_cache, v_cache);
   else TORCH_CHECK(false, "rotary_cache_: float32 or bfloat16");
 }
 
