@@ -539,8 +539,9 @@ def calibration_burst(profile: Profile) -> int:
     that is more, so the calibrated range holds the decode batches the sweep asks about. Fitted on at most 16
     decode rows, the linear step-time model put TPOT at 32 sequences 28-35% above the measured runs' (a decode
     row costs less as more rows share each weight panel) and halved the sweep's simulated goodput there."""
-    seqs = [int(v) for axis in profile.sweep if axis.startswith("max-num-seqs=")
-            for v in axis.split("=", 1)[1].split(",")]  # fmt: skip
+    from twophase.sim.cli import parse_sim_sweep
+
+    seqs = [int(point["max_num_seqs"]) for point in parse_sim_sweep(profile.sweep) if "max_num_seqs" in point]
     return max([profile.served.burst_prompts, *seqs])
 
 

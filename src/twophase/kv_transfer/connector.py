@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any, Callable
 import torch
 
 from twophase.config import KVTransferConfig
-from twophase.engine.model_runner import resolve_cache_dtype
 from twophase.kv_transfer.payload import CODECS, PayloadCodec, gpu_uuid, visible_gpus
 from twophase.kv_transfer.placement import Placement, Side, check_local, choose_transport
 from twophase.kv_transfer.scheduler_connector import RemoteLoad, SchedulerConnector
@@ -50,7 +49,7 @@ Post = Callable[[Callable[["LLMEngine"], None]], None]
 def engine_spec(engine: "LLMEngine") -> KVSpec:
     """The handshake spec of an engine's KV cache."""
     mc = engine.model_config
-    cache_dtype = resolve_cache_dtype(engine.config.cache.cache_dtype, engine.dtype)
+    cache_dtype = engine.model_runner.cache_dtype
     return KVSpec(model_digest(mc), str(cache_dtype).removeprefix("torch."), engine.config.cache.block_size,
                   mc.num_key_value_heads, mc.head_dim, mc.num_hidden_layers)
 

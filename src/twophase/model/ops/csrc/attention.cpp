@@ -22,20 +22,6 @@ constexpr int64_t Q_TILE = 16;     // query positions per work item (times `grou
 constexpr int64_t WHOLE_SLOT_MAX_QUERIES = 4;
 constexpr int64_t WHOLE_SLOT_ITEMS_PER_THREAD = 4;  // fewer requests than this per thread: one item per kv head
 
-// Converts n elements of T to float.
-inline void to_f32(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void to_f32(float* dst, const uint16_t* src, int64_t n) {
-  int64_t i = 0;
-#ifdef __AVX2__
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(src + i));
-#endif
-  for (; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
-}
-inline void from_f32(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void from_f32(uint16_t* dst, const float* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
-}
-
 struct WorkItem {
   int32_t req, kv0, kv1, q0, q1;  // kv heads [kv0, kv1) x query rows [q0, q1) of request `req` (offsets within it)
   int64_t rows(int64_t groups) const { return static_cast<int64_t>(kv1 - kv0) * (q1 - q0) * groups; }
@@ -71,10 +57,7 @@ inline void kv_rows(const T* cache, int64_t s0, int64_t head_off, const int32_t*
 
 // The n bfloat16 rows as float32 rows in buf (D apart).
 inline void widen_rows(const uint16_t* const* rows, int64_t n, int64_t D, float* buf, const float** out) {
-  for (int64_t j = 0; j < n; ++j) to_f32(buf + j * D, rows[j], D), out[j] = buf + j * D;
-}
-inline void widen_rows(const float* const* rows, int64_t n, int64_t, float*, const float** out) {
-  std::copy(rows, rows + n, out);
+  for (int64_t j = 0; j < n; ++j) convert(buf + j * D, rows[j], D), out[j] = buf + j * D;
 }
 
 #ifdef __AVX2__
@@ -85,7 +68,7 @@ inline __m256 load8(const uint16_t* p) { return load_bf16x8(p); }
 // A row's n values from d0 as float32: the row itself, or its bfloat16 values widened into buf.
 inline const float* row_f32(const float* row, int64_t d0, int64_t, float*) { return row + d0; }
 inline const float* row_f32(const uint16_t* row, int64_t d0, int64_t n, float* buf) {
-  to_f32(buf, row + d0, n);
+  convert(buf, row + d0, n);
   return buf;
 }
 
@@ -163,7 +146,7 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
   auto head_of = [&](int64_t rr) { return (w.kv0 + rr / per_head) * G + rr % G; };
   auto query_of = [&](int64_t rr) { return w.q0 + (rr % per_head) / G; };
   for (int64_t rr = 0; rr < rows; ++rr) {
-    to_f32(sc.q.data() + rr * D, q + (tok0 + query_of(rr)) * a.q_s0 + head_of(rr) * D, D);
+    convert(sc.q.data() + rr * D, q + (tok0 + query_of(rr)) * a.q_s0 + head_of(rr) * D, D);
     scale_f32(sc.q.data() + rr * D, a.scale, D);
     sc.pos[rr] = start + query_of(rr);
   }
@@ -173,7 +156,7 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
   // bfloat16 rows are widened in registers where they are read; when more rows than one query's heads read them
   // (a prefill chunk), once per chunk into float32 buffers instead (each row read up to 48 times: 0.69x in
   // registers on a 512-token chunk).
-  const bool widen = !std::is_same_v<T, float> && per_head > G;
+  const bool widen = per_head > G;  // used for bfloat16 caches only
   const int64_t last = start + w.q1 - 1;  // furthest key position any row sees
   const int32_t* bt = a.block_tables + w.req * a.max_blocks;
   for (int64_t p0 = 0; p0 <= last;) {
@@ -198,22 +181,24 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
       const T* V[KEY_CHUNK];
       kv_rows(kc, a.k_s0, g * a.k_s1, bt, bs, p0, n, K);
       kv_rows(vc, a.v_s0, g * a.v_s1, bt, bs, p0, n, V);
-      if (widen) {
-        const float* Kf[KEY_CHUNK];
-        const float* Vf[KEY_CHUNK];
-        widen_rows(K, n, D, sc.kbuf.data(), Kf);
-        widen_rows(V, n, D, sc.vbuf.data(), Vf);
-        attend_head(Kf, Vf);
-      } else {
-        attend_head(K, V);
+      if constexpr (!std::is_same_v<T, float>) {
+        if (widen) {
+          const float* Kf[KEY_CHUNK];
+          const float* Vf[KEY_CHUNK];
+          widen_rows(K, n, D, sc.kbuf.data(), Kf);
+          widen_rows(V, n, D, sc.vbuf.data(), Vf);
+          attend_head(Kf, Vf);
+          continue;
+        }
       }
+      attend_head(K, V);
     }
     p0 += n;
   }
   for (int64_t rr = 0; rr < rows; ++rr) {
     float* acc = sc.acc.data() + rr * D;
     scale_f32(acc, sc.l[rr] > 0.f ? 1.f / sc.l[rr] : 0.f, D);
-    from_f32(out + (tok0 + query_of(rr)) * a.q_s0 + head_of(rr) * D, acc, D);
+    convert(out + (tok0 + query_of(rr)) * a.q_s0 + head_of(rr) * D, acc, D);
   }
 }
 

@@ -64,6 +64,15 @@ inline float half_to_f32(uint16_t h) {
 #endif
 }
 
+// n values from src to dst, converted to dst's type: a copy when the types match, bfloat16 widened exactly, float32
+// rounded to nearest even into bfloat16 (as torch's .to(torch.bfloat16)).
+inline void convert(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
+inline void convert(uint16_t* dst, const uint16_t* src, int64_t n) { std::memcpy(dst, src, n * sizeof(uint16_t)); }
+inline void convert(uint16_t* dst, const float* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+}
+// (float32 from bfloat16: after the AVX2 helpers below)
+
 #ifdef __AVX2__
 inline float hsum(__m256 v) {
   __m128 lo = _mm256_castps256_ps128(v);
@@ -109,6 +118,14 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 #endif
+
+inline void convert(float* dst, const uint16_t* src, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, load_bf16x8(src + i));
+#endif
+  for (; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
+}
 
 // dot(a, b) over n floats.
 inline float dot_f32(const float* a, const float* b, int64_t n) {

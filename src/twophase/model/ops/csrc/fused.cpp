@@ -119,14 +119,6 @@ struct RopeArgs {
   const float *cos, *sin;
 };
 
-// n values of a rotated row into a cache row: copied when the dtypes match, rounded to nearest even (as torch's
-// .to(torch.bfloat16)) into a bfloat16 cache under float32 activations.
-inline void to_cache(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
-inline void to_cache(uint16_t* dst, const uint16_t* src, int64_t n) { std::memcpy(dst, src, n * sizeof(uint16_t)); }
-inline void to_cache(uint16_t* dst, const float* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
-}
-
 template <class T, class C>
 void rotary_cache_impl(const RopeArgs& a, at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache) {
   T* qp = ptr<T>(qkv);
@@ -142,8 +134,8 @@ void rotary_cache_impl(const RopeArgs& a, at::Tensor& qkv, at::Tensor& k_cache, 
     const T *k = row + a.heads * a.d, *v = k + kvd;
     const int64_t slot = a.slots[t];
     for (int64_t h = 0; h < a.kv_heads; ++h) {
-      to_cache(kc + slot * ks0 + h * ks1, k + h * a.d, a.d);
-      to_cache(vc + slot * vs0 + h * vs1, v + h * a.d, a.d);
+      convert(kc + slot * ks0 + h * ks1, k + h * a.d, a.d);
+      convert(vc + slot * vs0 + h * vs1, v + h * a.d, a.d);
     }
   });
 }
