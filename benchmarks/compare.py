@@ -154,9 +154,10 @@ def render_table(columns: list[dict], shapes: dict, workload: Workload | None, f
 
 def twophase_weight_bytes(num_params: int, dtype: str, extra: str, source: Path) -> float:
     """Bytes decode reads per step: linears at --quantization's size (approximate: embeddings and norms stay in
-    dtype), the GGUF file for --quantization gguf, else every parameter in dtype."""
+    dtype), the GGUF file for --quantization gguf and for float32 from a GGUF file (its Q8_0 / Q4_1 weights run
+    from their blocks, widened exactly in the kernel), else every parameter in dtype."""
     quant = getattr(twophase_peer.parse_engine_args(str(source), extra), "quantization", "none")
-    if quant == "gguf":
+    if quant == "gguf" or (quant == "none" and dtype == "float32" and source.suffix == ".gguf"):
         return source.stat().st_size
     return num_params * QUANT_BYTES.get(quant, DTYPE_BYTES.get(dtype, 4))
 

@@ -19,7 +19,8 @@ from prerequisites import in_ci
 from test_parity_hf import PROMPTS, packed_logits
 from twophase import LLM, SamplingParams
 from twophase.model.ops.extension import load_kernels
-from twophase.model.ops.linear import MAX_KERNEL_ROWS, KernelLinear
+from twophase.engine import llm_engine
+from twophase.model.ops.linear import MAX_KERNEL_ROWS, BlockPanelLinear, KernelLinear, dequantize, exact_block_panels, quantize
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -67,6 +68,46 @@ def test_kernel_linear_holds_only_panels_and_runs_every_batch_size(kernels, dtyp
         torch.testing.assert_close(layer(x).double(), expected, **tolerance)
     x64 = torch.randn(3, 96, dtype=torch.float64)
     assert torch.equal(layer(x64), torch.nn.functional.linear(x64, weight.double(), bias.double()))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_block_panels_give_the_float32_panels_bits(kernels, fmt, batch_invariant):
+    """A float32 weight that is the exact dequantisation of Q8_0 / Q4_1 blocks runs from those blocks
+    (BlockPanelLinear, a quarter of the bytes or less): the outputs are the float32 panels' bits at every batch size,
+    one row included; a weight the blocks do not widen to keeps its float32 panels (None)."""
+    torch.manual_seed(0)
+    packed = quantize(torch.randn(50, 96) * 0.1, fmt)  # 50 rows: three panels of 24, the last one padded
+    weight, bias = dequantize(packed, fmt), torch.randn(50)
+    blocks = exact_block_panels(weight, bias, (fmt, packed), kernels, batch_invariant)
+    panels = KernelLinear(weight.clone(), bias, kernels, batch_invariant)
+    assert isinstance(blocks, BlockPanelLinear) and torch.equal(blocks.unpacked_weight(), weight)
+    assert blocks.panels.numel() <= 0.27 * panels.panels.numel() * 4  # bytes: 1.06 (q8_0) / 0.625 (q4_1) of 4
+    for rows in (1, 2, 5, 9, 40, 300):
+        x = torch.randn(rows, 96)
+        assert torch.equal(blocks(x), panels(x)), rows
+    x64 = torch.randn(3, 96, dtype=torch.float64)
+    assert torch.equal(blocks(x64), panels(x64))
+    assert exact_block_panels(weight + 1e-3, bias, (fmt, packed), kernels) is None
+
+
+def test_float32_gguf_blocks_run_bit_identical(tiny_llama_dir, tmp_path, monkeypatch):
+    """A float32 model read from a GGUF file's Q8_0 blocks runs every projection and the head from those blocks,
+    with the logits of the float32 panels bit for bit, and so the same greedy tokens."""
+    from tiny_models import write_tiny_gguf
+
+    path = write_tiny_gguf(tiny_llama_dir, tmp_path / "q8.gguf", dtype="q8_0")
+    blocks = make_llm(path, dtype="float32")
+    model = blocks.engine.model_runner.model
+    assert isinstance(model.logits_head, BlockPanelLinear)
+    assert all(isinstance(m, BlockPanelLinear) for layer in model.layers for m in (layer.self_attn.qkv_proj,
+               layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))  # fmt: skip
+    monkeypatch.setattr(llm_engine, "wants_native_weights", lambda config: False)  # the weights as float32 only
+    panels = make_llm(path, dtype="float32")
+    assert isinstance(panels.engine.model_runner.model.logits_head, KernelLinear)
+    for ours, theirs in zip(packed_logits(blocks, PROMPTS), packed_logits(panels, PROMPTS)):
+        assert torch.equal(ours, theirs)
+    assert [o.token_ids for o in blocks.generate(PROMPTS, GREEDY)] == [o.token_ids for o in panels.generate(PROMPTS, GREEDY)]
 
 
 def test_long_prompts_stay_in_the_decoder_stack_on_the_panels(tiny_llama_dir):
@@ -257,11 +298,16 @@ def test_real_model_agreement_with_float32(default_model, dtype, quantization, c
 
 def test_gguf_weights_run_as_stored(default_model):
     """--quantization gguf keeps SmolLM2's Q4_1 projections and Q8_0 head as stored: dequantising them gives back
-    exactly the float32 weights the loader reads (so row order and llama.cpp's q/k permutation are right)."""
+    exactly the float32 weights the loader reads (so row order and llama.cpp's q/k permutation are right). The
+    float32 default runs from the same blocks."""
     dense = LLM(str(default_model), dtype="float32", progress=False, num_blocks=8).engine.model_runner.model
     native = LLM(str(default_model), dtype="float32", quantization="gguf", progress=False, num_blocks=8)
     model = native.engine.model_runner.model
     assert model.logits_head.fmt == "q8_0"
+    # float32 itself runs from the same blocks, widened exactly (test_float32_gguf_blocks_run_bit_identical)
+    assert isinstance(dense.logits_head, BlockPanelLinear) and dense.logits_head.fmt == "q8_0"
+    assert all(isinstance(layer.mlp.down_proj, BlockPanelLinear) and layer.mlp.down_proj.fmt == "q4_1"
+               for layer in dense.layers)
     for i in (0, len(model.layers) - 1):
         for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
             layer, reference = model.layers[i].get_submodule(name), dense.layers[i].get_submodule(name)

@@ -75,15 +75,15 @@ def test_switched_off_by_the_environment(monkeypatch: pytest.MonkeyPatch) -> Non
 
 @linux_only
 def test_the_default_model_streams_its_weights_and_cache_from_huge_pages(default_model) -> None:
-    """Every projection's panels, the tied head's and the KV cache of the engine's float32 default lie in the
-    process arena."""
+    """Every projection's panels (float32 run from the file's Q4_1 / Q8_0 blocks), the tied head's and the KV cache
+    of the engine's float32 default lie in the process arena."""
     from twophase import LLM
     from twophase.model.ops.huge_pages import arena
-    from twophase.model.ops.linear import KernelLinear
+    from twophase.model.ops.linear import PanelLinear
 
     llm = LLM(str(default_model), progress=False, num_blocks=64)
     model = llm.engine.model_runner.model
-    layers = [m for m in model.modules() if isinstance(m, KernelLinear)]
+    layers = [m for m in model.modules() if isinstance(m, PanelLinear)]
     assert len(layers) == 4 * model.config.num_hidden_layers + 1  # qkv, o, gate_up, down; the head
     assert all(arena().holds(m.panels) for m in layers)
     k, v = llm.engine.model_runner.kv_caches[0]

@@ -57,9 +57,18 @@ def build_model_runner(config: EngineConfig, source, tp=None, progress: bool = T
     return ModelRunner(
         source.config, source.iter_weights(progress=progress), config.cache, max_model_len,
         resolve_dtype(config.dtype, device), device, seed=config.seed, options=runner_options(config),
-        native_weights=source.native_quantized_weights() if config.quantization in NATIVE_QUANTIZATIONS else None,
+        native_weights=source.native_quantized_weights() if wants_native_weights(config) else None,
         tp=tp,
     )  # fmt: skip
+
+
+def wants_native_weights(config: EngineConfig) -> bool:
+    """Whether the runner gets a GGUF file's weights as stored: for a block format asked for, and without quantization
+    on CPU, where float32 weights stored as Q8_0 / Q4_1 run from their blocks, bit for bit (``BlockPanelLinear``)."""
+    if config.quantization in NATIVE_QUANTIZATIONS:
+        return True
+    device = torch.device(config.device)
+    return config.quantization == "none" and device.type == "cpu" and resolve_dtype(config.dtype, device) == torch.float32
 
 
 def start_model_runner(config: EngineConfig, source, progress: bool = True) -> ModelRunner:

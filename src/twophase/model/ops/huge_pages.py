@@ -24,7 +24,8 @@ import torch
 MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
 HUGE_PAGE = 2 << 20
 CHUNK_BYTES = 64 << 20  # a tensor larger than this gets a chunk of its own size
-MIN_BYTES = 256 << 10  # smaller tensors (norms, biases, small scale tables) stay where they are
+MIN_BYTES = 64 << 10  # smaller tensors (norms, biases, small scale tables) stay where they are; a Q4_1 576 x 576
+# projection's block panels (207 KB) are streamed every step like the rest
 ALIGN = 64  # bytes: a cache line, what torch's CPU allocator gives too
 
 

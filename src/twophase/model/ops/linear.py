@@ -6,7 +6,9 @@ Methods (``--quantization`` picks the weight format, the C++ kernels make it fas
 - ``dense``: ``F.linear`` on the weight as loaded — the reference every other method is tested against.
 - ``kernel``: the same float32/bfloat16 weight packed into column panels (``KernelLinear``) and run by our panel
   kernel at every batch size: at memory bandwidth for one row, at the FMA rate (a BLIS-style 4 x 24 micro-kernel)
-  from a few rows on, faster than oneDNN's prepacked GEMM at 1-512 rows on the machine we measured.
+  from a few rows on, faster than oneDNN's prepacked GEMM at 1-512 rows on the machine we measured. A float32
+  weight loaded from a GGUF file's Q8_0 / Q4_1 blocks stays in those blocks (``BlockPanelLinear``: a quarter of the
+  bytes or less to stream) and is widened to float32 panel by panel in the kernel, exactly: the same bits.
 - ``int8``: weight-only int8 with one float32 scale per output channel (symmetric, round to nearest), in column
   panels through the same kernel (``KernelLinear`` with a scale).
 - ``q8_0`` / ``q4_1``: GGUF's block formats (32 weights per block: ``d·q`` / ``d·q + m``), executed without
@@ -80,7 +82,27 @@ def pack_panels(weight: torch.Tensor, kernels: ModuleType, empty=_torch_empty) -
     return out.copy_(padded.view(panels, width, k).transpose(1, 2))
 
 
-class KernelLinear(DirectCallModule):
+class PanelLinear(DirectCallModule):
+    """A projection run by the panel kernel (``op``, the C++ ``LinearOp`` the decoder stack calls too), at every batch
+    size; subclasses pack the weight and give it back (``unpacked_weight``, the float64 reference path)."""
+
+    op = None
+    bias: torch.Tensor | None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
+        """y = x Wᵀ + b (float32 accumulation in the kernel; float64 through F.linear, the reference)."""
+        if x.dtype == torch.float32:  # the common case, without no-op conversions (each costs a dispatch)
+            return self.op(x)
+        if x.dtype == torch.float64:
+            return F.linear(x, self.unpacked_weight().double(), None if self.bias is None else self.bias.double())
+        return self.op(x.float()).to(x.dtype)
+
+    def unpacked_weight(self) -> torch.Tensor:  # [out, in]
+        """The weight as loaded."""
+        raise NotImplementedError
+
+
+class KernelLinear(PanelLinear):
     """A float32 / bfloat16 weight, or weight-only int8 with one scale per output, packed once into column panels of
     24 outputs, k-major (``pack_panels``), and every batch size through the panel kernel
     (``op``, the C++ ``LinearOp`` the decoder stack calls too): at memory bandwidth for one row, at the FMA rate from
@@ -102,18 +124,53 @@ class KernelLinear(DirectCallModule):
                                    self.out_features)
         self.max_rows = math.inf  # the stack's row limit (``ops/stack.py``): the panels take any batch
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, in] -> [T, out]
-        """y = x Wᵀ + b (float32 accumulation in the kernel; float64 through F.linear, the reference)."""
-        if x.dtype == torch.float32:  # the common case, without no-op conversions (each costs a dispatch)
-            return self.op(x)
-        if x.dtype == torch.float64:
-            return F.linear(x, self.unpacked_weight().double(), None if self.bias is None else self.bias.double())
-        return self.op(x.float()).to(x.dtype)
-
     def unpacked_weight(self) -> torch.Tensor:  # [out, in]
         """The weight as loaded (int8: dequantised, q · scale), copied out of the panels."""
-        weight = self.panels.permute(0, 2, 1).reshape(-1, self.in_features)[: self.out_features]
+        weight = unpanel(self.panels, self.in_features, self.out_features)
         return weight if self.scale is None else weight.float() * self.scale[:, None]
+
+
+def unpanel(panels: torch.Tensor, in_features: int, out_features: int) -> torch.Tensor:
+    """Column panels [P, in, 24] back to the weight [out, in] (a copy)."""
+    return panels.permute(0, 2, 1).reshape(-1, in_features)[:out_features]
+
+
+class BlockPanelLinear(PanelLinear):
+    """A float32 weight loaded from GGUF Q8_0 / Q4_1 blocks, kept as those blocks rearranged per column panel
+    (``quant.block_panels``): 1.06 / 0.625 bytes a weight instead of 4. The kernel widens each panel to float32 (d · q
+    (+ m): exact, one rounding at most, the loader's own) and runs the float32 panels' arithmetic, so every output
+    has the bits ``KernelLinear`` gives for the float32 weight. Built only through ``exact_block_panels``, which checks
+    that the blocks widen to the loaded weight bit for bit."""
+
+    def __init__(self, native: tuple[str, tuple[torch.Tensor, ...]], bias: torch.Tensor | None, kernels: ModuleType,
+                 batch_invariant: bool = False) -> None:  # fmt: skip
+        """``native``: (q8_0 or q4_1, its tensors as quant.py lays them out) of a weight [out, in]."""
+        super().__init__()
+        fmt, packed = native
+        self.fmt = fmt
+        self.out_features, self.in_features = packed[1].shape[0], packed[1].shape[1] * quant.QK
+        panels = arena().adopt(quant.block_panels(fmt, packed))
+        self.register_buffer("panels", panels)  # [ceil(out / 24), in / 32, bytes], streamed every step
+        self.register_buffer("bias", bias)  # [out] or None
+        self.kernels = kernels
+        bias32 = None if bias is None else bias.float()
+        self.op = kernels.LinearOp("block_panels", [panels], bias32, batch_invariant, self.out_features)
+        self.max_rows = math.inf
+
+    def unpacked_weight(self) -> torch.Tensor:  # [out, in] float32
+        """The float32 weight the blocks stand for."""
+        return unpanel(self.kernels.widen_block_panels(self.panels), self.in_features, self.out_features)
+
+
+def exact_block_panels(weight: torch.Tensor, bias: torch.Tensor | None, native: tuple[str, tuple[torch.Tensor, ...]],
+                       kernels: ModuleType, batch_invariant: bool = False) -> BlockPanelLinear | None:  # fmt: skip
+    """``weight`` [out, in] float32 as a ``BlockPanelLinear`` of its stored blocks when those widen to exactly its
+    values; else None (a file whose float32 values came some other way keeps its float32 panels)."""
+    if native[0] not in BLOCK_FORMATS or weight.dtype != torch.float32 or native[1][1].shape[1] * quant.QK != weight.shape[1]:
+        return None
+    layer = BlockPanelLinear(native, bias, kernels, batch_invariant)
+    widened = layer.unpacked_weight()
+    return layer if widened.shape == weight.shape and torch.equal(widened, weight) else None
 
 
 class QuantizedLinear(DirectCallModule):
@@ -193,7 +250,8 @@ def make_linear(
     """The fastest available layer computing ``x Wᵀ + b`` for ``weight`` [out, in] in the chosen format.
 
     ``native``: (format, tensors) of the same weight as stored in a GGUF file; used as is when its format is the
-    one asked for, or for ``gguf`` (each weight as stored; float where it is stored as float).
+    one asked for, or for ``gguf`` (each weight as stored; float where it is stored as float); without quantization,
+    a float32 weight those blocks widen to exactly runs from them (``BlockPanelLinear``).
     ``batch_invariant``: the kernel at every batch size (each output row is computed by the same instructions in
     the same order whatever the other rows are), never the F.linear fallback."""
     if quantization not in QUANTIZATIONS:
@@ -208,7 +266,8 @@ def make_linear(
         return QuantizedLinear(weight, bias, quantization, kernels, batch_invariant=batch_invariant)
     if not on_cpu or weight.dtype not in (torch.float32, torch.bfloat16):
         return DenseLinear(weight, bias)
-    return KernelLinear(weight, bias, kernels, batch_invariant)
+    exact = exact_block_panels(weight, bias, native, kernels, batch_invariant) if native is not None else None
+    return exact or KernelLinear(weight, bias, kernels, batch_invariant)
 
 
 def pack_linear_layers(model: nn.Module, quantization: str, kernels: ModuleType | None, native_of=None,

@@ -14,6 +14,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_linear", &tp::panel_linear, "y = (x @ w.T) * scale + bias for w in column panels (n: w's rows)",
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false,
         py::arg("scale") = py::none());
+  m.def("block_panel_shape", &tp::block_panel_shape, "shape of the block panels of a q8_0 / q4_1 weight [n, k]",
+        py::arg("fmt"), py::arg("n"), py::arg("k"));
+  m.def("block_panel_linear", &tp::block_panel_linear,
+        "y = x @ w.T + bias for a float32 w kept as q8_0 / q4_1 block panels (the float32 panels' bits)", py::arg("x"),
+        py::arg("panels"), py::arg("n"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false);
+  m.def("widen_block_panels", &tp::widen_block_panels, "block panels -> the float32 column panels [P, K, 24]",
+        py::arg("panels"));
   m.def("linear_q8_0", &tp::linear_q8_0, "GGUF Q8_0 linear (x rounded to int8 blocks)", py::arg("x"), py::arg("qs"), py::arg("d"),
         py::arg("bias") = py::none());
   m.def("linear_q4_1", &tp::linear_q4_1, "GGUF Q4_1 linear (x rounded to int8 blocks)", py::arg("x"), py::arg("qs"), py::arg("d"),
@@ -34,7 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "float32 [T, K] rounded to int8 blocks of 32 (q * d), as the Q8_0 / Q4_1 kernels see it", py::arg("x"));
   m.def("dequantize_blocks", &tp::dequantize_blocks, "packed q8_0 (qs, d) / q4_1 (qs, d, m) -> float32 [N, K]",
         py::arg("fmt"), py::arg("packed"));
-  py::class_<tp::LinearOp>(m, "LinearOp", "one projection as packed: panels (w's column panels), int8 (its panels, scale), q8_0 (qs, d), q4_1 (qs, d, m)")
+  py::class_<tp::LinearOp>(m, "LinearOp", "one projection as packed: panels (w's column panels), int8 (its panels, scale), q8_0 (qs, d), q4_1 (qs, d, m), block_panels (q8_0 / q4_1 block panels of a float32 w)")
       .def(py::init<const std::string&, std::vector<at::Tensor>, c10::optional<at::Tensor>, bool, int64_t>(),
            py::arg("kind"), py::arg("tensors"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false,
            py::arg("out_features") = 0)

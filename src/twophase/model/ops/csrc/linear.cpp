@@ -317,6 +317,99 @@ struct PanelProblem {
   float* y;                     // [M, N]
 };
 
+// ---- GGUF blocks in column panels: float32 weights read at a quarter of their bytes or less ------------------
+// A float32 weight dequantised from Q8_0 / Q4_1 blocks is exactly d * q (+ m) in float32: a float16 d times a 4- or
+// 8-bit integer has at most 19 significant bits, so the only rounding is the + m, and an FMA rounds it the same way.
+// Kept as those blocks, rearranged per column panel and 32 k (linear.py: pack_block_panels), the weight streams at
+// 1.06 (Q8_0) / 0.625 (Q4_1) bytes instead of 4, and is widened into the float32 panel (the thread's scratch) once
+// per pass: the tiles then run the float32 panel's arithmetic on the same values, bit for bit the float32 weight's.
+// One panel's block of 32 k (block_bytes): d [24] float16, (Q4_1: m [24] float16,) then q as [32 k][24 columns]:
+// Q8_0 one int8 each; Q4_1 one byte per column for each pair of k (k even in the low nibble, k + 1 in the high).
+// AVX2 + F16C: Scales(blk) holds a block's d (and m) for the 24 columns as 3 vectors each; pair(blk, sc, k, c) gives the
+// float32 weights of k and k + 1 (k even) at columns 8c .. 8c + 7. widen (the panel into the scratch) and
+// block_row_two_chains (one row, in registers) both use it, so both give the same weights.
+struct PQ8_0 {
+  using T = uint8_t;
+  static constexpr int64_t block_bytes = 2 * kPanel + QK * kPanel;
+  static const uint16_t* d_of(const uint8_t* blk) { return reinterpret_cast<const uint16_t*>(blk); }
+  static const int8_t* q_of(const uint8_t* blk) { return reinterpret_cast<const int8_t*>(blk + 2 * kPanel); }
+#if defined(__AVX2__) && defined(__F16C__)
+  struct Scales {
+    __m256 d[3];
+    explicit Scales(const uint8_t* blk) {
+      for (int c = 0; c < 3; ++c) d[c] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d_of(blk) + 8 * c)));
+    }
+  };
+  static void pair(const uint8_t* blk, const Scales& sc, int64_t k, int c, __m256& w0, __m256& w1) {
+    auto row = [&](int64_t kk) {  // d * q
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q_of(blk) + kk * kPanel + 8 * c));
+      return _mm256_mul_ps(sc.d[c], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+    };
+    w0 = row(k), w1 = row(k + 1);
+  }
+#endif
+  static float one(const uint8_t* blk, int64_t k, int64_t j) {
+    return half_to_f32(d_of(blk)[j]) * static_cast<float>(q_of(blk)[k * kPanel + j]);
+  }
+};
+struct PQ4_1 {
+  using T = uint8_t;
+  static constexpr int64_t block_bytes = 4 * kPanel + QK / 2 * kPanel;
+  static const uint16_t* d_of(const uint8_t* blk) { return reinterpret_cast<const uint16_t*>(blk); }
+  static const uint16_t* m_of(const uint8_t* blk) { return d_of(blk) + kPanel; }
+  static const uint8_t* q_of(const uint8_t* blk) { return blk + 4 * kPanel; }
+#if defined(__AVX2__) && defined(__F16C__)
+  struct Scales {
+    __m256 d[3], m[3];
+    explicit Scales(const uint8_t* blk) {
+      for (int c = 0; c < 3; ++c) {
+        d[c] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d_of(blk) + 8 * c)));
+        m[c] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(m_of(blk) + 8 * c)));
+      }
+    }
+  };
+  static void pair(const uint8_t* blk, const Scales& sc, int64_t k, int c, __m256& w0, __m256& w1) {  // d * q + m
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q_of(blk) + k / 2 * kPanel + 8 * c));
+    const __m256i v = _mm256_cvtepu8_epi32(b);
+    w0 = _mm256_fmadd_ps(sc.d[c], _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF))), sc.m[c]);
+    w1 = _mm256_fmadd_ps(sc.d[c], _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), sc.m[c]);
+  }
+#endif
+  static float one(const uint8_t* blk, int64_t k, int64_t j) {
+    const uint8_t b = q_of(blk)[k / 2 * kPanel + j];
+    return std::fma(half_to_f32(d_of(blk)[j]), static_cast<float>(k % 2 ? b >> 4 : b & 0xF), half_to_f32(m_of(blk)[j]));
+  }
+};
+
+// One block of 32 k of a panel, widened: out [32][24] float32.
+template <class W>
+inline void widen_block(const uint8_t* blk, float* out) {
+#if defined(__AVX2__) && defined(__F16C__)
+  const typename W::Scales sc(blk);
+  for (int64_t k = 0; k < QK; k += 2)
+    for (int c = 0; c < 3; ++c) {
+      __m256 w0, w1;
+      W::pair(blk, sc, k, c, w0, w1);
+      _mm256_storeu_ps(out + k * kPanel + 8 * c, w0);
+      _mm256_storeu_ps(out + (k + 1) * kPanel + 8 * c, w1);
+    }
+#else
+  for (int64_t k = 0; k < QK; ++k)
+    for (int64_t j = 0; j < kPanel; ++j) out[k * kPanel + j] = W::one(blk, k, j);
+#endif
+}
+
+// Whether W is a block-panel format (PQ8_0, PQ4_1), and the elements of W::T one panel of K inputs takes.
+template <class W, class = void>
+struct BlockPanel : std::false_type {};
+template <class W>
+struct BlockPanel<W, std::void_t<decltype(W::block_bytes)>> : std::true_type {};
+template <class W>
+constexpr int64_t panel_stride(int64_t K) {
+  if constexpr (BlockPanel<W>::value) return K / QK * W::block_bytes;
+  else return K * kPanel;
+}
+
 // Keeps v in a register (an empty asm the compiler cannot see through): without it GCC folds each weight load into
 // the FMAs, 12 loads per k instead of 3, and the tile becomes load-bound (a standalone copy at 32 rows: ~105 instead
 // of ~145 GFLOP/s).
@@ -398,6 +491,34 @@ inline void panel_row_two_chains(const float* x, const typename W::T* wp, int64_
 #endif
 }
 
+// One row through a block panel, widened in registers: panel_row_two_chains' arithmetic on the same weights (even k
+// in one chain, odd k in the other, added at the end), without writing the panel to the scratch and reading it back.
+// Returns false where it has no vector path (the caller widens into the scratch).
+template <class W>
+inline bool block_row_two_chains(const float* x, const uint8_t* wp, int64_t K, float (&acc)[1][kPanel]) {
+#if defined(__AVX2__) && defined(__F16C__)
+  __m256 a[3], b[3];
+  for (int c = 0; c < 3; ++c) a[c] = b[c] = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < K; k0 += QK, wp += W::block_bytes) {
+    const typename W::Scales sc(wp);
+    for (int64_t k = 0; k < QK; k += 2) {
+      const __m256 xa = _mm256_broadcast_ss(x + k0 + k), xb = _mm256_broadcast_ss(x + k0 + k + 1);
+      for (int c = 0; c < 3; ++c) {
+        __m256 w0, w1;
+        W::pair(wp, sc, k, c, w0, w1);
+        a[c] = _mm256_fmadd_ps(xa, w0, a[c]);
+        b[c] = _mm256_fmadd_ps(xb, w1, b[c]);
+      }
+    }
+  }
+  for (int c = 0; c < 3; ++c) _mm256_storeu_ps(acc[0] + 8 * c, _mm256_add_ps(a[c], b[c]));
+  return true;
+#else
+  (void)x, (void)wp, (void)K, (void)acc;
+  return false;
+#endif
+}
+
 // y[m0 .. m0 + MR)[panel's columns] = acc * scale + bias (only the columns below N).
 template <class W, int MR>
 inline void store_panel(const PanelProblem<W>& p, int64_t m0, int64_t panel, const float (&acc)[MR][kPanel]) {
@@ -463,11 +584,15 @@ const float* pack_rows_k_major(const float* x, int64_t M, int64_t K) {
 // A panel's K x 24 weights as float32 (exact).
 template <class W>
 inline void to_float_panel(const typename W::T* wp, int64_t K, float* out) {
-  int64_t i = 0;
+  if constexpr (BlockPanel<W>::value) {
+    for (int64_t b = 0; b < K / QK; ++b) widen_block<W>(wp + b * W::block_bytes, out + b * QK * kPanel);
+  } else {
+    int64_t i = 0;
 #ifdef __AVX2__
-  for (; i < K * kPanel; i += 8) _mm256_storeu_ps(out + i, W::eight(wp + i));
+    for (; i < K * kPanel; i += 8) _mm256_storeu_ps(out + i, W::eight(wp + i));
 #endif
-  for (; i < K * kPanel; ++i) out[i] = W::one(wp + i);
+    for (; i < K * kPanel; ++i) out[i] = W::one(wp + i);
+  }
 }
 
 // panel_block for the 1-4 rows left at m0.
@@ -503,18 +628,30 @@ void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
   // bfloat16 / int8 panels for more than kConvertRows rows: converted to float32 once per panel and pass, not once
   // per 4-row tile (int8 converts in 3 instructions per 8 weights, in every tile). The conversion is exact, so
   // every row's arithmetic is the same either way.
-  constexpr bool convertible = !std::is_same_v<W, WF32>;
-  auto converted = [&] { return convertible && p.M > kConvertRows ? thread_scratch<1>(p.K * kPanel) : nullptr; };
+  // Block panels are widened into the scratch at every batch size (their tiles have no other way to read them),
+  // except one row without batch invariance (widened in registers: block_row_two_chains).
+  constexpr bool convertible = !std::is_same_v<W, WF32>, blocks = BlockPanel<W>::value;
+  auto converted = [&] {
+    return convertible && ((blocks && !two_chains) || p.M > kConvertRows) ? thread_scratch<1>(p.K * kPanel) : nullptr;
+  };
   const int64_t chunks = (p.M + kPanelRowChunk - 1) / kPanelRowChunk;
   dynamic_for(groups * chunks, converted, [&](int64_t item, float* wf) {
     // Row chunks outermost: every group of one chunk before the next, so the chunk's packed rows stay in cache.
     const int64_t c0 = item / groups * kPanelRowChunk, c1 = std::min(p.M, c0 + kPanelRowChunk);
     const int64_t q0 = item % groups * group, q1 = std::min(panels, q0 + group);
     for (int64_t q = q0; q < q1; ++q) {
-      const typename W::T* wq = p.panels + q * p.K * kPanel;
-      if (two_chains) {
+      const typename W::T* wq = p.panels + q * panel_stride<W>(p.K);
+      if (two_chains) {  // one row: block panels widened in registers, other formats read as they are
         float acc[1][kPanel];
-        panel_row_two_chains<W>(x, wq, p.K, acc);
+        if constexpr (blocks) {
+          if (!block_row_two_chains<W>(x, wq, p.K, acc)) {
+            float* scratch = thread_scratch<1>(p.K * kPanel);
+            to_float_panel<W>(wq, p.K, scratch);
+            panel_row_two_chains<WF32>(x, scratch, p.K, acc);
+          }
+        } else {
+          panel_row_two_chains<W>(x, wq, p.K, acc);
+        }
         store_panel<W, 1>(p, 0, q, acc);
         continue;
       }
@@ -523,7 +660,7 @@ void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
         const float* xb = xp + m0 * p.K;
         const int64_t rows = std::min<int64_t>(4, p.M - m0);
         if (wf) panel_rows<WF32>(p, wf, xb, m0, q, rows);
-        else panel_rows<W>(p, wq, xb, m0, q, rows);
+        else if constexpr (!blocks) panel_rows<W>(p, wq, xb, m0, q, rows);
       }
     }
   });
@@ -640,6 +777,56 @@ at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_
     panel_run<WI8>({q.M, n, K, panels.data_ptr<int8_t>(), sc, b, q.y}, q.x, batch_invariant);
   else TORCH_CHECK(false, "panels must be float32, bfloat16 or int8, got ", panels.scalar_type());
   return y;
+}
+
+namespace {
+// The block-panel format of a [P, K/32, block_bytes] uint8 tensor (pack_block_panels): PQ8_0 or PQ4_1 by its last
+// dimension; calls f with a value of that type. K = 32 * size(1).
+template <class F>
+void with_block_format(const at::Tensor& panels, F&& f) {
+  TORCH_CHECK(panels.dim() == 3 && panels.scalar_type() == at::kByte && panels.is_contiguous(),
+              "block panels must be a contiguous uint8 [P, K/32, bytes] tensor from pack_block_panels");
+  if (panels.size(2) == PQ8_0::block_bytes) f(PQ8_0{});
+  else if (panels.size(2) == PQ4_1::block_bytes) f(PQ4_1{});
+  else TORCH_CHECK(false, "block panels: ", panels.size(2), " bytes per block is neither q8_0 (", PQ8_0::block_bytes,
+                   ") nor q4_1 (", PQ4_1::block_bytes, ")");
+}
+}  // namespace
+
+std::vector<int64_t> block_panel_shape(const std::string& fmt, int64_t N, int64_t K) {
+  TORCH_CHECK(K % QK == 0, "block panels need K a multiple of ", QK, ", got ", K);
+  TORCH_CHECK(fmt == "q8_0" || fmt == "q4_1", "block panels: unknown format ", fmt);
+  return {(N + kPanel - 1) / kPanel, K / QK, fmt == "q8_0" ? PQ8_0::block_bytes : PQ4_1::block_bytes};
+}
+
+at::Tensor block_panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t n,
+                              const c10::optional<at::Tensor>& bias, bool batch_invariant) {
+  TORCH_CHECK(n > 0 && panels.dim() == 3 && (n + kPanel - 1) / kPanel == panels.size(0), "n = ", n,
+              " does not fit ", panels.size(0), " panels");
+  const int64_t K = panels.size(1) * QK;
+  at::Tensor x = prep_x(x_in, K), y, bk;
+  Problem q = make_problem(x, n, y);
+  const float* b = prep_vec(bias, n, "bias", bk);
+  with_block_format(panels, [&](auto format) {
+    using W = decltype(format);
+    if (x.size(0) > 0) panel_run<W>({q.M, n, K, panels.data_ptr<uint8_t>(), nullptr, b, q.y}, q.x, batch_invariant);
+  });
+  return y;
+}
+
+at::Tensor widen_block_panels(const at::Tensor& panels) {
+  at::Tensor out;
+  with_block_format(panels, [&](auto format) {
+    using W = decltype(format);
+    const int64_t P = panels.size(0), K = panels.size(1) * QK;
+    out = at::empty({P, K, kPanel}, panels.options().dtype(at::kFloat));
+    const uint8_t* src = panels.data_ptr<uint8_t>();
+    float* dst = out.data_ptr<float>();
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1; ++p) to_float_panel<W>(src + p * panel_stride<W>(K), K, dst + p * K * kPanel);
+    });
+  });
+  return out;
 }
 
 }  // namespace tp

@@ -14,6 +14,13 @@ namespace tp {
 std::vector<int64_t> panel_shape(int64_t N, int64_t K);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const c10::optional<at::Tensor>& bias,
                         bool batch_invariant, const c10::optional<at::Tensor>& scale);
+// GGUF Q8_0 / Q4_1 blocks of a float32 weight [N, K] rearranged per column panel (linear.cpp, PQ8_0 / PQ4_1;
+// packed by linear.py: pack_block_panels): their shape [P, K/32, bytes], y = x @ W.T + bias through them (the same
+// bits as the float32 panels of W), and W's float32 panels [P, K, 24] widened from them.
+std::vector<int64_t> block_panel_shape(const std::string& fmt, int64_t N, int64_t K);
+at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
+                              const c10::optional<at::Tensor>& bias, bool batch_invariant);
+at::Tensor widen_block_panels(const at::Tensor& panels);
 at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const c10::optional<at::Tensor>& bias);
 // x float32 [T, K] rounded to int8 blocks of 32 (q * d), what the Q8_0 / Q4_1 kernels compute with.

@@ -14,9 +14,10 @@ LinearOp::LinearOp(const std::string& kind, std::vector<at::Tensor> tensors, c10
   else if (kind == "int8") kind_ = Kind::Int8, want = 2;
   else if (kind == "q8_0") kind_ = Kind::Q8_0, want = 2;
   else if (kind == "q4_1") kind_ = Kind::Q4_1, want = 3;
-  else TORCH_CHECK(false, "LinearOp: unknown kind '", kind, "' (panels, int8, q8_0, q4_1)");
+  else if (kind == "block_panels") kind_ = Kind::BlockPanels, want = 1;
+  else TORCH_CHECK(false, "LinearOp: unknown kind '", kind, "' (panels, int8, q8_0, q4_1, block_panels)");
   TORCH_CHECK(t_.size() == want, "LinearOp ", kind, ": expected ", want, " tensors, got ", t_.size());
-  TORCH_CHECK((kind_ != Kind::Panels && kind_ != Kind::Int8) || out_features_ > 0,
+  TORCH_CHECK((kind_ != Kind::Panels && kind_ != Kind::Int8 && kind_ != Kind::BlockPanels) || out_features_ > 0,
               "LinearOp ", kind, ": out_features is required");
   for (auto& t : t_) t = t.contiguous();
   if (bias_.has_value() && bias_->defined()) bias_ = bias_->to(at::kFloat).contiguous();
@@ -28,6 +29,7 @@ at::Tensor LinearOp::operator()(const at::Tensor& x) const {
     case Kind::Int8: return tp::panel_linear(x, t_[0], out_features_, bias_, batch_invariant_, t_[1]);
     case Kind::Q8_0: return tp::linear_q8_0(x, t_[0], t_[1], bias_);  // batch-invariant at every M
     case Kind::Q4_1: return tp::linear_q4_1(x, t_[0], t_[1], t_[2], bias_);
+    case Kind::BlockPanels: return tp::block_panel_linear(x, t_[0], out_features_, bias_, batch_invariant_);
   }
   TORCH_CHECK(false, "LinearOp: bad kind");
 }

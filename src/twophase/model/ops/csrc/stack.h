@@ -18,7 +18,7 @@ class LinearOp {
   at::Tensor operator()(const at::Tensor& x) const;  // x fp32 [M, K] -> fp32 [M, N]
 
  private:
-  enum class Kind { Panels, Int8, Q8_0, Q4_1 } kind_;
+  enum class Kind { Panels, Int8, Q8_0, Q4_1, BlockPanels } kind_;
   std::vector<at::Tensor> t_;
   c10::optional<at::Tensor> bias_;
   bool batch_invariant_;
