@@ -82,6 +82,26 @@ def pack_panels(weight: torch.Tensor, kernels: ModuleType, empty=_torch_empty) -
     return out.copy_(padded.view(panels, width, k).transpose(1, 2))
 
 
+def pack_block_panels(fmt: str, packed: tuple[torch.Tensor, ...], kernels: ModuleType, empty=_torch_empty) -> torch.Tensor:
+    """(qs, d[, m]) of a weight [N, K] in ``quant.py``'s layout as block panels, the C++ PQ8_0 / PQ4_1
+    (``kernels.block_panel_shape``: uint8 [ceil(N / 24), K/32, bytes]), in a tensor from ``empty(shape, dtype)``: per
+    column panel and block of 32 k, d [24] float16, (q4_1: m [24] float16,) then q as [32 k][24 rows], q8_0 one int8
+    each, q4_1 one byte per row for each pair of k (even k in the low nibble). Rows past N are zero."""
+    d = packed[1]  # [N, K/32]
+    n, nb = d.shape
+    shape = kernels.block_panel_shape(fmt, n, nb * quant.QK)
+    width = kernels.panel_shape(n, nb * quant.QK)[2]
+    panels, pad = shape[0], shape[0] * width - n
+    q = packed[0].view(torch.uint8).reshape(n, nb, quant.QK) if fmt == "q8_0" else quant.unpack_nibbles(packed[0])
+    q = F.pad(q, (0, 0, 0, 0, 0, pad)).reshape(panels, width, nb, quant.QK).permute(0, 2, 3, 1)  # [P, nb, 32, 24]
+    if fmt == "q4_1":
+        q = q[:, :, 0::2] | (q[:, :, 1::2] << 4)  # [P, nb, 16, 24]
+    scales = [F.pad(s.view(torch.int16), (0, 0, 0, pad)).reshape(panels, width, nb).transpose(1, 2).contiguous()
+              for s in packed[1:]]  # [P, nb, 24] float16 bits each
+    parts = [s.view(torch.uint8) for s in scales] + [q.reshape(panels, nb, -1)]
+    return empty(tuple(shape), torch.uint8).copy_(torch.cat(parts, dim=-1))
+
+
 class PanelLinear(DirectCallModule):
     """A projection run by the panel kernel (``op``, the C++ ``LinearOp`` the decoder stack calls too), at every batch
     size; subclasses pack the weight and give it back (``unpacked_weight``, the float64 reference path)."""
@@ -137,7 +157,7 @@ def unpanel(panels: torch.Tensor, in_features: int, out_features: int) -> torch.
 
 class BlockPanelLinear(PanelLinear):
     """A float32 weight loaded from GGUF Q8_0 / Q4_1 blocks, kept as those blocks rearranged per column panel
-    (``quant.block_panels``): 1.06 / 0.625 bytes a weight instead of 4. The kernel widens each panel to float32 (d · q
+    (``pack_block_panels``): 1.06 / 0.625 bytes a weight instead of 4. The kernel widens each panel to float32 (d · q
     (+ m): exact, one rounding at most, the loader's own) and runs the float32 panels' arithmetic, so every output
     has the bits ``KernelLinear`` gives for the float32 weight. Built only through ``exact_block_panels``, which checks
     that the blocks widen to the loaded weight bit for bit."""
@@ -149,7 +169,7 @@ class BlockPanelLinear(PanelLinear):
         fmt, packed = native
         self.fmt = fmt
         self.out_features, self.in_features = packed[1].shape[0], packed[1].shape[1] * quant.QK
-        panels = arena().adopt(quant.block_panels(fmt, packed))
+        panels = pack_block_panels(fmt, packed, kernels, arena().empty)
         self.register_buffer("panels", panels)  # [ceil(out / 24), in / 32, bytes], streamed every step
         self.register_buffer("bias", bias)  # [out] or None
         self.kernels = kernels

@@ -19,7 +19,6 @@ from __future__ import annotations
 import torch
 
 QK = 32  # weights per block
-PANEL = 24  # output rows per column panel of the C++ panel kernel (linear.cpp: kPanel)
 
 
 def _blocks(w: torch.Tensor) -> torch.Tensor:
@@ -73,28 +72,6 @@ def dequantize_q4_1(qs: torch.Tensor, d: torch.Tensor, m: torch.Tensor) -> torch
     q = unpack_nibbles(qs).float()
     n, nb, _ = q.shape
     return (q * d.float()[..., None] + m.float()[..., None]).reshape(n, nb * QK)
-
-
-def block_panels(fmt: str, packed: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """(qs, d[, m]) of a weight [N, K] as block panels, uint8 [ceil(N / 24), K/32, bytes] (the C++ PQ8_0 / PQ4_1):
-    per column panel of 24 rows and block of 32 k, d [24] float16, (q4_1: m [24] float16,) then q as [32 k][24 rows]:
-    q8_0 one int8 each, q4_1 one byte per row for each pair of k (even k in the low nibble). Rows past N are zero."""
-    d = packed[1]  # [N, K/32]
-    n, nb = d.shape
-    panels, pad = -(-n // PANEL), -n % PANEL
-    if fmt == "q8_0":
-        q = packed[0].view(torch.uint8).reshape(n, nb, QK)  # the int8 bits
-    elif fmt == "q4_1":
-        q = unpack_nibbles(packed[0])  # [N, nb, 32] values 0..15
-    else:
-        raise ValueError(f"block panels: unknown format {fmt!r}")
-    q = torch.cat([q, q.new_zeros(pad, nb, QK)]).reshape(panels, PANEL, nb, QK).permute(0, 2, 3, 1)  # [P, nb, 32, 24]
-    if fmt == "q4_1":
-        q = q[:, :, 0::2] | (q[:, :, 1::2] << 4)  # [P, nb, 16, 24]
-    scales = [torch.cat([s, s.new_zeros(pad, nb)]).reshape(panels, PANEL, nb).transpose(1, 2).contiguous()
-              for s in packed[1:]]  # [P, nb, 24] float16 each
-    parts = [s.view(torch.uint8) for s in scales] + [q.reshape(panels, nb, -1)]
-    return torch.cat(parts, dim=-1).contiguous()
 
 
 def from_gguf_q8_0(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
