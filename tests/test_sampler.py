@@ -76,6 +76,20 @@ def test_unfiltered_sampling_follows_distribution() -> None:
     assert torch.allclose(freq, probs[:3], atol=0.03)
 
 
+@pytest.mark.parametrize("u", [0.0, 0.25, 0.5, 0.75, math.nextafter(1.0, 0.0), 1.0])
+def test_draw_picks_by_cumulative_weight_and_never_a_zero_weight_id(u: float, monkeypatch) -> None:
+    """Inverse CDF at the extremes of U(0, 1): ids of weight 0 (before, between and after the others) are
+    never chosen, and each uniform lands on the id whose share of the running sum holds it (u = 1, outside
+    U(0, 1), stands for a product u * total rounded up to the total: the last id of positive weight)."""
+    sampler = Sampler(VOCAB)
+    probs = torch.zeros(2, VOCAB)
+    probs[0, [3, 7]] = torch.tensor([1.0, 3.0])  # unnormalised: 1/4 then 3/4
+    probs[1, 30] = 1e-30  # one tiny weight, at the end of the row
+    states = [state(sampler, temperature=1.0) for _ in range(2)]
+    monkeypatch.setattr(sampler, "_uniforms", lambda states, device: torch.full((2,), u, dtype=torch.float64))
+    assert sampler.draw(probs, states).tolist() == [3 if u < 0.25 else 7, 30]
+
+
 def run_seeded(seed: int, batch_size: int, row: int, steps: int = 8) -> list[int]:
     """Tokens of a seeded request at ``row`` of a batch, neighbours unseeded or differently seeded."""
     sampler = Sampler(VOCAB, seed=1234 + batch_size)

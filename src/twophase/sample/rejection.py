@@ -85,8 +85,7 @@ def _accept_sampled(
     rejected = [j for j, t in enumerate(residual_ids) if t >= 0]
     if rejected:  # residual max(0, p - q) for a point mass q: p without the rejected proposal
         target[rejected, [residual_ids[j] for j in rejected]] = 0.0
-    noise = sampler._exponential(target, states)  # [R, vocab], seeded rows from their own generators
-    for i, token_id in zip(which, (target / noise).argmax(dim=-1).tolist()):
+    for i, token_id in zip(which, sampler.draw(target, states).tolist()):  # seeded rows: their own generators
         tokens[i].append(token_id)
 
 
