@@ -210,10 +210,11 @@ def reference_keep(logits: torch.Tensor, k: int, p: float) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("scale", [0.1, 3.0])  # flat: the top-p cut lies outside the topk window
-def test_top_k_top_p_window_matches_full_sort(scale: float) -> None:
+@pytest.mark.parametrize("windows", [4, 16])  # vocab = 16 windows: 3.0 settles in the wide window, 0.1 sorts
+def test_top_k_top_p_window_matches_full_sort(scale: float, windows: int) -> None:
     from twophase.sample.sampler import TOP_P_WINDOW, _apply_top_k_top_p
 
-    vocab = 4 * TOP_P_WINDOW
+    vocab = windows * TOP_P_WINDOW
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(1)) * scale
     top_k = [vocab, 10, vocab, 600, vocab, 3]
     top_p = [0.9, 0.5, 1.0, 0.95, 0.37, 1.0]
