@@ -19,10 +19,12 @@ Peers live under $TWOPHASE_HOME/peers/; --install builds / installs the missing 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
 import platform
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -60,6 +62,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer prompts: a smoke run")
     parser.add_argument("--no-s1", action="store_true", help="skip the serving rows (no servers started)")
+    parser.add_argument("--s1-sampling", default="",
+                        help='`bench serve` sampling options for S1 (greedy when empty), e.g. "--temperature 0.8 --top-p 0.95"')
     parser.add_argument("--install", action="store_true", help="build / install the peers that are missing")
     parser.add_argument("--json", type=Path, default=None, help="write every figure (and per-run values) here")
     parser.add_argument("--markdown", type=Path, default=None, help="write the printed report here too")
@@ -179,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     repeats = max(1, args.repeats)
     shapes, workload = (QUICK, QUICK_S1) if args.quick else (FULL, FULL_S1)
-    workload = None if args.no_s1 else workload
+    workload = None if args.no_s1 else dataclasses.replace(workload, sampling=tuple(shlex.split(args.s1_sampling)))
     source = resolve(args.model) or Path(args.model)
     if not source.is_file():
         print(f"model {args.model!r} not found: run `twophase pull {args.model}` first", file=sys.stderr)

@@ -176,3 +176,22 @@ def test_result_has_vllm_keys_and_console_block() -> None:
     assert "Mean TTFT (ms):                          116.67    " in lines
     assert lines.index("=" * 50) < lines.index("Mean server prefill (ms):                3.00      ")
     assert "Cached prompt tokens (%):                50.00     " in lines
+
+
+def test_sampling_flags_reach_every_request_body() -> None:
+    """--temperature / --top-p / --top-k / --min-p travel in each request (vLLM's bench serve flags);
+    --extra-body wins where both name a field; without them the body stays greedy."""
+    import argparse
+
+    from twophase.bench.cli import add_serve_arguments, load_config
+    from twophase.bench.serve import build_payload
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    request = datasets.SampleRequest(prompt="hi", prompt_len=1, expected_output_len=4)
+    args = parser.parse_args(["--temperature", "0.8", "--top-p", "0.95", "--top-k", "40", "--min-p", "0.05",
+                              "--extra-body", '{"top_k": 20}'])
+    body = build_payload(load_config(args, "http://x", "m"), request)
+    assert (body["temperature"], body["top_p"], body["top_k"], body["min_p"]) == (0.8, 0.95, 20, 0.05)
+    greedy = build_payload(load_config(parser.parse_args([]), "http://x", "m"), request)
+    assert greedy["temperature"] == 0.0 and not {"top_p", "top_k", "min_p"} & set(greedy)

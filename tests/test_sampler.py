@@ -90,6 +90,23 @@ def test_draw_picks_by_cumulative_weight_and_never_a_zero_weight_id(u: float, mo
     assert sampler.draw(probs, states).tolist() == [3 if u < 0.25 else 7, 30]
 
 
+@pytest.mark.parametrize("temperature", [5e-324, 1e-300, 9.9e-6])
+def test_temperature_below_1e_5_is_greedy(temperature: float) -> None:
+    """logits / 5e-324 overflow to inf and softmax to NaN: such temperatures take the argmax (vLLM's epsilon)."""
+    sampler = Sampler(VOCAB, seed=5)
+    logits = torch.randn(3, VOCAB, generator=torch.Generator().manual_seed(4))
+    states = [state(sampler, temperature=temperature, seed=s) for s in (None, 1, 2)]
+    assert sampler(logits, states).token_ids == logits.argmax(dim=-1).tolist()
+
+
+def test_draw_returns_an_id_for_rows_without_positive_weight() -> None:
+    """A row of NaNs or zeros (no distribution) still yields an id inside the vocabulary, never -1 or vocab."""
+    sampler = Sampler(VOCAB)
+    probs = torch.stack([torch.full((VOCAB,), float("nan")), torch.zeros(VOCAB), torch.eye(VOCAB)[9]])
+    ids = sampler.draw(probs, [state(sampler, temperature=1.0) for _ in range(3)]).tolist()
+    assert all(0 <= i < VOCAB for i in ids) and ids[2] == 9
+
+
 def run_seeded(seed: int, batch_size: int, row: int, steps: int = 8) -> list[int]:
     """Tokens of a seeded request at ``row`` of a batch, neighbours unseeded or differently seeded."""
     sampler = Sampler(VOCAB, seed=1234 + batch_size)

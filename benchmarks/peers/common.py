@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import statistics
@@ -108,10 +109,12 @@ class Workload:
     input_len: int
     output_len: int
     concurrency: int
+    sampling: tuple[str, ...] = ()  # extra `bench serve` options, e.g. ("--temperature", "0.8"); () is greedy
 
     def describe(self) -> str:
+        sampling = f", sampling {shlex.join(self.sampling)}" if self.sampling else ", greedy"
         return (f"{self.num_prompts} prompts x {self.input_len} in / {self.output_len} out, "
-                f"concurrency {self.concurrency}")
+                f"concurrency {self.concurrency}{sampling}")
 
 
 def twophase_cli() -> str:
@@ -131,7 +134,8 @@ def bench_serve(base_url: str, workload: Workload, tokenizer: str, model: str | 
                 "--num-prompts", str(workload.num_prompts), "--random-input-len", str(workload.input_len),
                 "--random-output-len", str(workload.output_len), "--max-concurrency", str(workload.concurrency),
                 "--ignore-eos", "--tokenizer", tokenizer, "--seed", str(seed), "--disable-tqdm", "--ready-check-timeout-sec", "0",
-                "--save-result", "--save-detailed", "--result-dir", tmp, "--result-filename", "result.json", "--label", label]
+                "--save-result", "--save-detailed", "--result-dir", tmp, "--result-filename", "result.json", "--label", label,
+                *workload.sampling]
         if model:
             argv += ["--model", model]
         proc = subprocess.run(argv, capture_output=True, text=True)
@@ -152,7 +156,7 @@ def s1_summary(results: list[dict]) -> dict[str, float]:
 
 def run_s1(base_url: str, workload: Workload, tokenizer: str, repeats: int, model: str | None = None) -> dict:
     """``repeats`` S1 runs (after one tiny warm-up run) → medians and the raw per-run figures."""
-    bench_serve(base_url, Workload(2, 16, 4, 2), tokenizer, model, seed=99)  # warm-up: first-request costs
+    bench_serve(base_url, Workload(2, 16, 4, 2, workload.sampling), tokenizer, model, seed=99)  # first-request costs
     runs = []
     for r in range(repeats):
         res = bench_serve(base_url, workload, tokenizer, model, seed=r)

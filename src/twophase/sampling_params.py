@@ -23,7 +23,7 @@ class InvalidRequestError(ValueError):
 
 @dataclass
 class SamplingParams:
-    """How to pick tokens for one request. ``temperature == 0`` means greedy."""
+    """How to pick tokens for one request. ``temperature == 0`` (or below 1e-5) means greedy."""
 
     temperature: float = 1.0
     top_p: float = 1.0
@@ -124,8 +124,12 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        """True when sampling reduces to argmax."""
-        return self.temperature == 0.0
+        """True when sampling reduces to argmax: temperature 0, or below ``GREEDY_TEMPERATURE`` (as vLLM's
+        ``_SAMPLING_EPS``), where logits / temperature overflow to inf and the distribution to NaN."""
+        return self.temperature < GREEDY_TEMPERATURE
+
+
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 
 
 def _finite_range(name: str, value: float, low: float, high: float) -> None:

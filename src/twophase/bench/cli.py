@@ -53,6 +53,9 @@ def add_serve_arguments(parser: argparse.ArgumentParser) -> None:
     add("--ready-check-timeout-sec", type=int, default=600, help="0 skips the initial test request")
     add("--ignore-eos", action="store_true", help="(always on for the random dataset, as in vLLM)")
     add("--temperature", type=float, default=None)
+    add("--top-p", type=float, default=None)
+    add("--top-k", type=int, default=None)
+    add("--min-p", type=float, default=None)
     add("--extra-body", type=json.loads, default=None, help="JSON merged into every request body")
     add("--disable-tqdm", action="store_true")
     add("--sweep", default=None, metavar="rate=1,2,4 | concurrency=1,4,16",
@@ -96,7 +99,9 @@ def load_config(args: argparse.Namespace, base_url: str, model: str) -> LoadConf
     unknown = set(metrics) - set(METRIC_NAMES)
     if unknown:
         raise ValueError(f"unknown --percentile-metrics {sorted(unknown)}; use {','.join(METRIC_NAMES)}")
-    extra = {**({"temperature": args.temperature} if args.temperature is not None else {}), **(args.extra_body or {})}
+    sampling = {name: getattr(args, name) for name in ("temperature", "top_p", "top_k", "min_p")
+                if getattr(args, name) is not None}  # as vLLM's bench serve sends them
+    extra = {**sampling, **(args.extra_body or {})}
     return LoadConfig(
         api_url=base_url + args.endpoint, model=model, request_rate=args.request_rate, burstiness=args.burstiness,
         max_concurrency=args.max_concurrency, num_warmups=args.num_warmups,

@@ -292,10 +292,11 @@ class Sampler:
         cdf = probs.cumsum(dim=-1, dtype=torch.float64)  # [n, vocab], one sequential sum per row
         u = self._uniforms(states, probs.device)  # [n] float64
         ids = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(1), right=True).squeeze(1)  # [n]
-        over = ids >= vocab  # [n]: u * total rounded up to the total itself; take the last id of positive weight
-        if bool(over.any()):
-            last = torch.where(probs[over] > 0, torch.arange(vocab, device=probs.device), -1).amax(dim=-1)
-            ids[over] = last
+        over = ids >= vocab  # [n]: u * total rounded up to the total itself, or a total of no positive weight
+        if bool(over.any()):  # the last id of positive weight; the argmax where there is none (NaN penalties)
+            sub = probs[over]  # [o, vocab]
+            last = torch.where(sub > 0, torch.arange(vocab, device=probs.device), -1).amax(dim=-1)  # [o]
+            ids[over] = torch.where(last >= 0, last, sub.argmax(dim=-1))
         return ids
 
     def _uniforms(self, states: list[SamplingState], device: torch.device) -> torch.Tensor:
