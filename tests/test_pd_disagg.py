@@ -66,8 +66,12 @@ def _assert_same(reference, candidate) -> None:
     ref, got = reference.choices[0], candidate.choices[0]
     assert got.text == ref.text and got.logprobs.tokens == ref.logprobs.tokens
     assert got.finish_reason == ref.finish_reason
+    # The same tokens; logprobs within float32 rounding. The two sides compute a prompt in different pieces (the
+    # decode server only the tail; chunks and prefix-cache hits differ), and a piece of one row takes the one-row
+    # kernel, whose summation order is its own (not batch-invariant without --deterministic): a full run saw
+    # 1.1e-5 on a logprob near -2.2.
     for a, b in zip(ref.logprobs.token_logprobs, got.logprobs.token_logprobs, strict=True):
-        assert abs(a - b) <= 1e-5, (ref.logprobs.token_logprobs, got.logprobs.token_logprobs)
+        assert abs(a - b) <= 1e-4, (ref.logprobs.token_logprobs, got.logprobs.token_logprobs)
 
 
 def _assert_clean(*procs: Process) -> None:

@@ -107,6 +107,16 @@ def test_draw_returns_an_id_for_rows_without_positive_weight() -> None:
     assert all(0 <= i < VOCAB for i in ids) and ids[2] == 9
 
 
+def test_running_sums_in_the_kept_buffer_equal_a_fresh_float64_cumsum() -> None:
+    """The float64 buffer is reused across batches that grow and shrink; its sums are a fresh cumsum's bits."""
+    sampler = Sampler(100)
+    gen = torch.Generator().manual_seed(0)
+    for rows in (5, 3, 8, 2):
+        probs = torch.rand(rows, 100, generator=gen)
+        probs[:, ::3] = 0.0
+        assert torch.equal(sampler._running_sums(probs), probs.cumsum(-1, dtype=torch.float64))
+
+
 def run_seeded(seed: int, batch_size: int, row: int, steps: int = 8) -> list[int]:
     """Tokens of a seeded request at ``row`` of a batch, neighbours unseeded or differently seeded."""
     sampler = Sampler(VOCAB, seed=1234 + batch_size)
