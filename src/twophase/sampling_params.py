@@ -21,6 +21,9 @@ class InvalidRequestError(ValueError):
         self.param = param
 
 
+GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily (vLLM's _SAMPLING_EPS)
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens for one request. ``temperature == 0`` (or below 1e-5) means greedy."""
@@ -127,9 +130,6 @@ class SamplingParams:
         """True when sampling reduces to argmax: temperature 0, or below ``GREEDY_TEMPERATURE`` (as vLLM's
         ``_SAMPLING_EPS``), where logits / temperature overflow to inf and the distribution to NaN."""
         return self.temperature < GREEDY_TEMPERATURE
-
-
-GREEDY_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 
 
 def _finite_range(name: str, value: float, low: float, high: float) -> None:

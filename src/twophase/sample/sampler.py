@@ -27,10 +27,9 @@ from typing import Any
 import torch
 
 from twophase.outputs import TokenLogprobs
+from twophase.sample.top_k_top_p import apply_top_k_top_p
 from twophase.sampling_params import SamplingParams
 
-TOP_P_WINDOW = 256  # top-p candidates taken with topk before a wider window, then a full sort
-TOP_P_WIDE_WINDOW = 4096  # [32, 49152]: topk 256 ~5 ms, 4096 ~15 ms, a full sort ~80 ms on 2 CPU cores
 
 
 @dataclass
@@ -199,23 +198,20 @@ class Sampler:
         if not penalized:
             return logits
         vocab, device = logits.shape[1], logits.device
-        row_ids, col_ids, counts, rep, freq, pres = [], [], [], [], [], []
-        for i in penalized:
-            ids, row_counts = states[i].penalty_entries(vocab)
-            p = states[i].params
-            row_ids += [i] * len(ids)
-            col_ids += ids
-            counts += row_counts
-            rep += [p.repetition_penalty] * len(ids)
-            freq += [p.frequency_penalty] * len(ids)
-            pres += [p.presence_penalty] * len(ids)
-        rows = torch.tensor(row_ids, dtype=torch.long, device=device)  # [E] entries of all penalised rows
-        cols = torch.tensor(col_ids, dtype=torch.long, device=device)  # [E]
-        n = torch.tensor(counts, dtype=torch.float32, device=device)  # [E] occurrences in the output
-        rep_t, freq_t, pres_t = (torch.tensor(v, dtype=torch.float32, device=device) for v in (rep, freq, pres))
+        entries = [states[i].penalty_entries(vocab) for i in penalized]  # (ids, output counts) per row
+        lengths = torch.tensor([len(ids) for ids, _ in entries], device=device)  # [num_pen]
+
+        def per_entry(values: list) -> torch.Tensor:  # a per-row value repeated for each of its entries: [E]
+            return torch.repeat_interleave(torch.tensor(values, device=device), lengths)
+
+        rows = per_entry(penalized)  # [E] entries of all penalised rows
+        cols = torch.tensor([t for ids, _ in entries for t in ids], dtype=torch.long, device=device)  # [E]
+        n = torch.tensor([c for _, counts in entries for c in counts], dtype=torch.float32, device=device)  # [E]
+        rep, freq, pres = (per_entry([getattr(states[i].params, name) for i in penalized]).float()
+                           for name in ("repetition_penalty", "frequency_penalty", "presence_penalty"))  # [E] each
         x = logits[rows, cols]  # [E]
-        x = torch.where(x > 0, x / rep_t, x * rep_t)
-        x = x - freq_t * n - pres_t * (n > 0).float()
+        x = torch.where(x > 0, x / rep, x * rep)
+        x = x - freq * n - pres * (n > 0).float()
         out = logits.clone()
         out[rows, cols] = x
         return out
@@ -276,7 +272,7 @@ class Sampler:
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_p = [p.top_p for p in params]
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = _apply_top_k_top_p(logits, top_k, top_p)
+            logits = apply_top_k_top_p(logits, top_k, top_p)
         probs = logits.softmax(dim=-1)  # [n, vocab]
         min_p = [p.min_p for p in params]
         if any(m > 0.0 for m in min_p):
@@ -345,63 +341,3 @@ class Sampler:
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     """A [n, 1] float32 column for broadcasting per-row parameters."""
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
-
-
-def _apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Keep the top-k, then the smallest set with cumulative prob >= top_p; mask the rest with -inf.
-
-    logits: [n, vocab]; ``top_k[i] == vocab`` and ``top_p[i] == 1`` disable the filters for row i. The best
-    token is always kept. To avoid a full-vocab sort (slow on CPU), candidates come from ``topk`` over a
-    window (k, or ``TOP_P_WINDOW`` for top-p alone); rows whose window holds less than top_p of the mass
-    try ``TOP_P_WIDE_WINDOW``, and only rows that one does not settle fall back to a full sort.
-    """
-    device, vocab = logits.device, logits.shape[1]
-    rows = [i for i in range(logits.shape[0]) if top_k[i] < vocab or top_p[i] < 1.0]
-    width = min(vocab, max(top_k[i] if top_k[i] < vocab else TOP_P_WINDOW for i in rows))
-    row_index = torch.tensor(rows, dtype=torch.long, device=device)  # [m]
-    sub = logits[row_index]  # [m, vocab]
-    k = torch.tensor([top_k[i] for i in rows], dtype=torch.long, device=device)  # [m]
-    p = torch.tensor([top_p[i] for i in rows], dtype=torch.float32, device=device)  # [m]
-    values, indices = sub.topk(width, dim=-1)  # [m, width] each, best first
-    keep, resolved = _keep_mask(values, sub, k, p)
-    filtered = torch.full_like(sub, float("-inf")).scatter_(1, indices, values.masked_fill(~keep, float("-inf")))
-    for wider in (TOP_P_WIDE_WINDOW, vocab):  # rows the window did not settle: a wider one, then a full sort
-        if bool(resolved.all()) or wider <= width:
-            continue
-        todo = (~resolved).nonzero().squeeze(1)  # [u]
-        if wider < vocab:
-            values, indices = sub[todo].topk(wider, dim=-1)  # [u, wider] each, best first
-        else:
-            values, indices = sub[todo].sort(dim=-1, descending=True)  # [u, vocab] each
-        keep, settled = _keep_mask(values, sub[todo], k[todo], p[todo])
-        filtered[todo] = torch.full_like(sub[todo], float("-inf")).scatter_(
-            1, indices, values.masked_fill(~keep, float("-inf"))
-        )
-        resolved[todo] = settled | (wider >= vocab)
-    out = logits.clone()
-    out[row_index] = filtered
-    return out
-
-
-def _keep_mask(
-    values: torch.Tensor, logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Which of the best-first candidates survive top-k then top-p, and which rows that settles.
-
-    values: [m, width] best first, from logits [m, vocab]; top_k, top_p: [m].
-    Returns keep [m, width] bool and resolved [m] bool (False: the cut may lie outside the window).
-    """
-    width = values.shape[1]
-    positions = torch.arange(width, device=values.device).unsqueeze(0)  # [1, width]
-    in_top_k = positions < top_k.unsqueeze(1)  # [m, width]
-    values = values.masked_fill(~in_top_k, float("-inf"))
-    all_in_window = top_k <= width  # [m]: the top-k mask leaves no mass outside the window
-    log_norm = values.logsumexp(dim=-1)  # [m]
-    if not bool(all_in_window.all()):
-        log_norm = torch.where(all_in_window, log_norm, logits.logsumexp(dim=-1))
-    probs = (values - log_norm.unsqueeze(1)).exp()  # [m, width]
-    cumulative = probs.cumsum(dim=-1)  # [m, width]
-    no_top_p = (top_p >= 1.0).unsqueeze(1)  # [m, 1]
-    keep = in_top_k & (no_top_p | (cumulative - probs < top_p.unsqueeze(1)))  # [m, width]
-    resolved = all_in_window | (cumulative[:, -1] >= top_p)  # [m]
-    return keep, resolved
