@@ -20,7 +20,8 @@ from test_parity_hf import PROMPTS, packed_logits
 from twophase import LLM, SamplingParams
 from twophase.model.ops.extension import load_kernels
 from twophase.engine import llm_engine
-from twophase.model.ops.linear import MAX_KERNEL_ROWS, BlockPanelLinear, KernelLinear, dequantize, exact_block_panels, quantize
+from twophase.model.ops.linear import (MAX_KERNEL_ROWS, BlockPanelLinear, KernelLinear, dequantize, exact_block_panels,
+                                       pack_block_panels, pack_block_panels_reference, quantize)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -89,6 +90,27 @@ def test_block_panels_give_the_float32_panels_bits(kernels, fmt, batch_invariant
     x64 = torch.randn(3, 96, dtype=torch.float64)
     assert torch.equal(blocks(x64), panels(x64))
     assert exact_block_panels(weight + 1e-3, bias, (fmt, packed), kernels) is None
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_block_panels_packed_in_cpp_as_in_torch(kernels, fmt):
+    """The C++ packing of Q8_0 / Q4_1 blocks into block panels writes the bytes of the torch reference (every nibble
+    and int8 value, rows padded to a whole panel), and block_panels_equal finds one changed weight or a wrong shape."""
+    torch.manual_seed(1)
+    packed = quantize(torch.randn(53, 128), fmt)  # 53 rows: the third panel holds 5 real rows and 19 zero rows
+    if fmt == "q8_0":  # every int8 value, -128 included
+        packed = (torch.arange(53 * 128).remainder(256).sub(128).to(torch.int8).view(53, 128), packed[1])
+    else:  # every byte, so every pair of nibbles
+        packed = (torch.arange(53 * 64).remainder(256).to(torch.uint8).view(53, 64), *packed[1:])
+    panels = pack_block_panels(fmt, packed, kernels)
+    assert torch.equal(panels, pack_block_panels_reference(fmt, packed, kernels))
+    weight = dequantize(packed, fmt)
+    assert kernels.block_panels_equal(panels, weight)
+    changed = weight.clone()
+    changed[52, 127] = torch.nextafter(changed[52, 127], torch.tensor(float("inf")))
+    assert not kernels.block_panels_equal(panels, changed)
+    assert not kernels.block_panels_equal(panels, weight[:40])
+    assert not kernels.block_panels_equal(panels, weight[:, :96])
 
 
 def test_float32_gguf_blocks_run_bit_identical(tiny_llama_dir, tmp_path, monkeypatch):

@@ -21,6 +21,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("panels"), py::arg("n"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false);
   m.def("widen_block_panels", &tp::widen_block_panels, "block panels -> the float32 column panels [P, K, 24]",
         py::arg("panels"));
+  m.def("pack_block_panels_", &tp::pack_block_panels_, "q8_0 (qs, d) / q4_1 (qs, d, m) of a weight -> its block panels",
+        py::arg("out"), py::arg("fmt"), py::arg("packed"));
+  m.def("block_panels_equal", &tp::block_panels_equal, "whether block panels widen to exactly a float32 weight",
+        py::arg("panels"), py::arg("weight"));
   m.def("linear_q8_0", &tp::linear_q8_0, "GGUF Q8_0 linear (x rounded to int8 blocks)", py::arg("x"), py::arg("qs"), py::arg("d"),
         py::arg("bias") = py::none());
   m.def("linear_q4_1", &tp::linear_q4_1, "GGUF Q4_1 linear (x rounded to int8 blocks)", py::arg("x"), py::arg("qs"), py::arg("d"),

@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <atomic>
+#include <cstring>
 #include <memory>
 #include <type_traits>
 #include <vector>
@@ -812,6 +814,92 @@ at::Tensor block_panel_linear(const at::Tensor& x_in, const at::Tensor& panels, 
     if (x.size(0) > 0) panel_run<W>({q.M, n, K, panels.data_ptr<uint8_t>(), nullptr, b, q.y}, q.x, batch_invariant);
   });
   return y;
+}
+
+// Block b of panel p (pack_block_panels: d [24], (m [24],) then the 32 k x 24 rows of q) from rows p*24 .. p*24+23 of
+// qs / d (/ m) in quant.py's layout; rows past N are zero.
+template <class W>
+void pack_panel_block(const uint8_t* qs, const uint16_t* d, const uint16_t* mn, int64_t N, int64_t K, int64_t p,
+                      int64_t b, uint8_t* blk) {
+  constexpr bool q4 = std::is_same_v<W, PQ4_1>;
+  const int64_t nb = K / QK;
+  uint8_t* qb = blk + (q4 ? 4 : 2) * kPanel;
+  for (int64_t j = 0; j < kPanel; ++j) {
+    const int64_t row = p * kPanel + j;
+    const bool real = row < N;
+    const uint16_t dv = real ? d[row * nb + b] : 0, mv = real && q4 ? mn[row * nb + b] : 0;
+    std::memcpy(blk + 2 * j, &dv, 2);
+    if constexpr (q4) {
+      std::memcpy(blk + 2 * (kPanel + j), &mv, 2);
+      const uint8_t* src = qs + row * (K / 2) + b * (QK / 2);  // elements 0..15 low nibbles, 16..31 high
+      auto nibble = [&](int64_t k) { return k < QK / 2 ? src[k] & 0xF : src[k - QK / 2] >> 4; };
+      for (int64_t i = 0; i < QK / 2; ++i) qb[i * kPanel + j] = real ? nibble(2 * i) | nibble(2 * i + 1) << 4 : 0;
+    } else {
+      const uint8_t* src = qs + row * K + b * QK;
+      for (int64_t k = 0; k < QK; ++k) qb[k * kPanel + j] = real ? src[k] : 0;
+    }
+  }
+}
+
+void pack_block_panels_(at::Tensor& out, const std::string& fmt, const std::vector<at::Tensor>& packed) {
+  const auto shape_of = [&](int64_t N, int64_t K) { return block_panel_shape(fmt, N, K); };
+  const bool q4 = fmt == "q4_1";
+  TORCH_CHECK(packed.size() == (q4 ? 3u : 2u), fmt, " takes ", q4 ? "(qs, d, m)" : "(qs, d)");
+  const at::Tensor qs = packed[0].contiguous(), d = packed[1].contiguous();
+  TORCH_CHECK(qs.element_size() == 1, "qs must be int8 or uint8");
+  auto [N, K] = check_blocks(qs, d, q4 ? QK / 2 : QK);
+  at::Tensor mn;
+  if (q4) {
+    mn = packed[2].contiguous();
+    TORCH_CHECK(mn.sizes() == d.sizes() && mn.scalar_type() == at::kHalf, "m must match d");
+  }
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(shape_of(N, K)) && out.scalar_type() == at::kByte && out.is_contiguous(),
+              "out must be a contiguous uint8 tensor of block_panel_shape");
+  const uint8_t* q = static_cast<const uint8_t*>(qs.data_ptr());
+  const uint16_t *dd = half_bits(d), *mm = q4 ? half_bits(mn) : nullptr;
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  const int64_t P = out.size(0), nb = K / QK, bytes = out.size(2);
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* blk = dst + (p * nb + b) * bytes;
+        if (q4) pack_panel_block<PQ4_1>(q, dd, mm, N, K, p, b, blk);
+        else pack_panel_block<PQ8_0>(q, dd, mm, N, K, p, b, blk);
+      }
+  });
+}
+
+bool block_panels_equal(const at::Tensor& panels, const at::Tensor& weight_in) {
+  bool equal = false;
+  with_block_format(panels, [&](auto format) {
+    using W = decltype(format);
+    const int64_t P = panels.size(0), nb = panels.size(1), K = nb * QK;
+    if (weight_in.dim() != 2 || weight_in.scalar_type() != at::kFloat || weight_in.size(1) != K ||
+        (weight_in.size(0) + kPanel - 1) / kPanel != P)
+      return;
+    const at::Tensor weight = weight_in.contiguous();
+    const int64_t N = weight.size(0);
+    const float* w = weight.data_ptr<float>();
+    const uint8_t* src = panels.data_ptr<uint8_t>();
+    std::atomic<bool> same{true};
+    // Row by row, each weight from its block as W::one gives it (the vector widening's arithmetic: d * q (+ m), one
+    // rounding), against the row read in order: widening whole blocks and reading them down a column was 5x slower.
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      for (int64_t p = p0; p < p1 && same.load(std::memory_order_relaxed); ++p) {
+        bool differs = false;
+        for (int64_t j = 0; j < std::min(kPanel, N - p * kPanel); ++j) {
+          const float* wr = w + (p * kPanel + j) * K;
+          for (int64_t b = 0; b < nb; ++b) {
+            const uint8_t* blk = src + (p * nb + b) * W::block_bytes;
+            for (int64_t k = 0; k < QK; ++k) differs |= !(W::one(blk, k, j) == wr[b * QK + k]);
+          }
+        }
+        if (differs) same = false;
+      }
+    });
+    equal = same;
+  });
+  return equal;
 }
 
 at::Tensor widen_block_panels(const at::Tensor& panels) {

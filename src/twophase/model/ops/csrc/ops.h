@@ -21,6 +21,11 @@ std::vector<int64_t> block_panel_shape(const std::string& fmt, int64_t N, int64_
 at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
                               const c10::optional<at::Tensor>& bias, bool batch_invariant);
 at::Tensor widen_block_panels(const at::Tensor& panels);
+// (qs, d[, m]) of a q8_0 / q4_1 weight [N, K] in quant.py's layout written into out, its block panels (uint8, of
+// block_panel_shape; linear.py: pack_block_panels_reference is the torch reference); rows past N zero.
+void pack_block_panels_(at::Tensor& out, const std::string& fmt, const std::vector<at::Tensor>& packed);
+// Whether the block panels widen to exactly weight [N, K] float32, value for value (as torch.equal).
+bool block_panels_equal(const at::Tensor& panels, const at::Tensor& weight);
 at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const c10::optional<at::Tensor>& bias);
 // x float32 [T, K] rounded to int8 blocks of 32 (q * d), what the Q8_0 / Q4_1 kernels compute with.
