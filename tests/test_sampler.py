@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -236,11 +237,17 @@ def reference_keep(logits: torch.Tensor, k: int, p: float) -> torch.Tensor:
     return keep
 
 
+@pytest.mark.parametrize("selection", [True, False])  # top-p alone by the kernels' selection, or by windows
 @pytest.mark.parametrize("scale", [0.1, 3.0])  # flat: the top-p cut lies outside the topk window
 @pytest.mark.parametrize("windows", [4, 16])  # vocab = 16 windows: 3.0 settles in the wide window, 0.1 sorts
-def test_top_k_top_p_window_matches_full_sort(scale: float, windows: int) -> None:
+def test_top_k_top_p_window_matches_full_sort(scale: float, windows: int, selection: bool, monkeypatch) -> None:
+    from twophase.sample import top_k_top_p
     from twophase.sample.top_k_top_p import TOP_P_WINDOW, apply_top_k_top_p
 
+    if selection:
+        require_kernels()
+    else:
+        monkeypatch.setattr(top_k_top_p, "_selection_kernels", lambda logits: None)
     vocab = windows * TOP_P_WINDOW
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(1)) * scale
     top_k = [vocab, 10, vocab, 600, vocab, 3]
@@ -249,6 +256,54 @@ def test_top_k_top_p_window_matches_full_sort(scale: float, windows: int) -> Non
     for i in range(6):
         assert torch.equal(out[i] > float("-inf"), reference_keep(logits[i], top_k[i], top_p[i]))
         kept = out[i] > float("-inf")
+        assert torch.equal(out[i][kept], logits[i][kept])
+
+
+def require_kernels():
+    """The C++ kernels (built by the set-up): under CI a missing build fails, elsewhere the test skips."""
+    from twophase.model.ops.extension import load_kernels
+
+    kernels = load_kernels()
+    if kernels is None:
+        if os.environ.get("CI"):
+            pytest.fail("the C++ kernels did not build")
+        pytest.skip("no C++ kernels")
+    return kernels
+
+
+def test_top_p_selection_edges() -> None:
+    """The kernels' top-p selection on rows a sort handles without thought: -inf entries (never kept, never
+    counted), top_p 0 (the best alone), top_p 1 and rows of NaN or only -inf (left as they are), ties at the cut
+    (kept together), and 32 rows of a SmolLM2-sized vocabulary against the full sort, flat to peaked, one of them
+    with its mass where the sample that brackets the cut does not look."""
+    kernels = require_kernels()
+    inf = float("inf")
+    rows = torch.tensor([[0.0, -inf, 1.0, 2.0, -inf, 1.0],  # mass above 1.0 is e^2/(e^2+2e+1) < 0.9: both 1.0 kept
+                         [0.0, -inf, 1.0, 2.0, -inf, 1.0],
+                         [3.0, 1.0, 2.0, 0.0, -1.0, 5.0],
+                         [3.0, 1.0, 2.0, 0.0, -1.0, 5.0],
+                         [float("nan"), 1.0, 2.0, 0.0, -1.0, 5.0],
+                         [-inf] * 6])  # fmt: skip
+    top_p = torch.tensor([0.9, 0.5, 0.0, 1.0, 0.5, 0.5], dtype=torch.float64)
+    out = rows.clone()
+    kernels.top_p_mask_(out, top_p)
+    assert torch.equal(out[0], torch.tensor([-inf, -inf, 1.0, 2.0, -inf, 1.0]))
+    assert torch.equal(out[1], torch.tensor([-inf, -inf, -inf, 2.0, -inf, -inf]))  # e^2 / total = 0.6 >= 0.5
+    assert torch.equal(out[2], torch.tensor([-inf] * 5 + [5.0]))
+    assert torch.equal(out[3], rows[3])
+    assert torch.equal(out[4].isnan(), rows[4].isnan()) and torch.equal(out[4][1:], rows[4][1:])
+    assert torch.equal(out[5], rows[5])
+    logits = torch.randn(32, 49152, generator=torch.Generator().manual_seed(5)) * torch.linspace(0.05, 8.0, 32)[:, None]
+    p = torch.linspace(0.05, 0.99, 32, dtype=torch.float64)
+    # row 31: the evenly spaced sample (every 48th entry) sees 10 entries at 5 over a flat floor and brackets the cut
+    # among them, but 1,000 unsampled entries at 2 and the floor hold most of the mass: the bracket fails, all are searched
+    logits[31] = logits[31] * 0.01
+    logits[31, 0:480:48], logits[31, 1:3001:3], p[31] = 5.0, 2.0, 0.5
+    out = logits.clone()
+    kernels.top_p_mask_(out, p)
+    for i in range(32):
+        kept = out[i] > -inf
+        assert torch.equal(kept, reference_keep(logits[i], 49152, float(p[i]))), i
         assert torch.equal(out[i][kept], logits[i][kept])
 
 

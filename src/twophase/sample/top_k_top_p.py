@@ -1,10 +1,15 @@
-"""Top-k then top-p filtering of logits rows without sorting the vocabulary where a window of candidates settles it.
+"""Top-k then top-p filtering of logits rows without sorting the vocabulary.
 
 A full sort of [32, 49152] float32 logits takes ~80 ms on 2 CPU cores; ``topk`` over 256 candidates ~5 ms, over
-4,096 ~15 ms. Each row is settled by the narrowest window that holds its top-k and enough mass for its top-p.
+4,096 ~15 ms. A row with top-p alone goes to the C++ kernels' selection (``top_p_mask_``: the cut found by
+quickselect on the logits, carrying each side's probability mass, O(vocab)) when they are built and the logits are
+float32 on the CPU. Every other filtered row is settled by the narrowest ``topk`` window that holds its top-k and
+enough mass for its top-p, the whole vocabulary sorted at worst.
 """
 
 from __future__ import annotations
+
+from types import ModuleType
 
 import torch
 
@@ -16,18 +21,55 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     """Keep the top-k, then the smallest set with cumulative prob >= top_p; mask the rest with -inf.
 
     logits: [n, vocab]; ``top_k[i] == vocab`` and ``top_p[i] == 1`` disable the filters for row i. The best
-    token is always kept. Candidates come from ``topk`` over a window (k, or ``TOP_P_WINDOW`` for top-p alone);
-    rows whose window holds less than top_p of the mass try ``TOP_P_WIDE_WINDOW``, then the whole vocabulary.
+    token is always kept. Returns a new tensor [n, vocab]; ``logits`` is not changed.
     """
-    device, vocab = logits.device, logits.shape[1]
+    vocab = logits.shape[1]
+    out = logits.clone()
     rows = [i for i in range(logits.shape[0]) if top_k[i] < vocab or top_p[i] < 1.0]
-    width = min(vocab, max(top_k[i] if top_k[i] < vocab else TOP_P_WINDOW for i in rows))
-    row_index = torch.tensor(rows, dtype=torch.long, device=device)  # [m]
-    sub = logits[row_index]  # [m, vocab]
-    k = torch.tensor([top_k[i] for i in rows], dtype=torch.long, device=device)  # [m]
-    p = torch.tensor([top_p[i] for i in rows], dtype=torch.float32, device=device)  # [m]
+    kernels = _selection_kernels(logits)
+    if kernels is not None:
+        alone = [i for i in rows if top_k[i] >= vocab]  # top-p alone: selection in C++
+        _top_p_by_selection(out, alone, [top_p[i] for i in alone], kernels)
+        rows = [i for i in rows if top_k[i] < vocab]
+    if rows:
+        row_index = torch.tensor(rows, dtype=torch.long, device=logits.device)  # [m]
+        out[row_index] = _window_filter(logits[row_index], [top_k[i] for i in rows], [top_p[i] for i in rows])
+    return out
+
+
+def _selection_kernels(logits: torch.Tensor) -> ModuleType | None:
+    """The C++ kernels when they are built and can filter ``logits`` (float32 on the CPU), else None."""
+    if logits.dtype != torch.float32 or logits.device.type != "cpu":
+        return None
+    from twophase.model.ops.extension import built_kernels
+
+    return built_kernels()
+
+
+def _top_p_by_selection(out: torch.Tensor, rows: list[int], top_p: list[float], kernels: ModuleType) -> None:
+    """In place: rows ``rows`` of ``out`` [n, vocab] cut to their top-p sets by the kernels' selection."""
+    if not rows:
+        return
+    p = torch.tensor(top_p, dtype=torch.float64)  # [m]
+    if len(rows) == out.shape[0]:
+        kernels.top_p_mask_(out, p)
+        return
+    row_index = torch.tensor(rows, dtype=torch.long)  # [m]
+    sub = out[row_index]  # [m, vocab], a copy
+    kernels.top_p_mask_(sub, p)
+    out[row_index] = sub
+
+
+def _window_filter(sub: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Top-k then top-p of every row of ``sub`` [m, vocab] by ``topk`` windows: candidates from a window (k, or
+    ``TOP_P_WINDOW`` for top-p alone); rows whose window holds less than top_p of the mass try
+    ``TOP_P_WIDE_WINDOW``, then the whole vocabulary. Returns the filtered rows [m, vocab]."""
+    device, vocab = sub.device, sub.shape[1]
+    width = min(vocab, max(k if k < vocab else TOP_P_WINDOW for k in top_k))
+    k = torch.tensor(top_k, dtype=torch.long, device=device)  # [m]
+    p = torch.tensor(top_p, dtype=torch.float32, device=device)  # [m]
     filtered = torch.empty_like(sub)  # [m, vocab]
-    todo = torch.arange(len(rows), device=device)  # [u] rows of sub not settled yet
+    todo = torch.arange(sub.shape[0], device=device)  # [u] rows of sub not settled yet
     windows = [w for w in (width, TOP_P_WIDE_WINDOW) if w < vocab and w >= width] + [vocab]
     for window in windows:
         candidates = sub[todo]  # [u, vocab]
@@ -38,9 +80,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
         todo = todo[~settled]
         if todo.numel() == 0:
             break
-    out = logits.clone()
-    out[row_index] = filtered
-    return out
+    return filtered
 
 
 def _keep_mask(

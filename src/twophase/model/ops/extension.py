@@ -24,6 +24,10 @@ Kernels (all CPU, OpenMP over torch's intra-op threads, AVX2/FMA with a scalar f
   (``panels`` / ``int8`` (panels, scale), both with their ``out_features`` / ``q8_0`` / ``q4_1``) over the linear kernels above; the Python linear layers and the decoder stack both call it.
 - ``DecoderStack`` / ``StackLayer`` (``csrc/stack.cpp``): every decoder layer in one call, the kernels above in the
   order of ``model/llama.py``'s loop (see ``ops/stack.py``).
+- ``pack_block_panels_(out, fmt, packed)`` / ``block_panels_equal(panels, weight)``: GGUF Q8_0 / Q4_1 blocks into
+  the block panels ``linear.BlockPanelLinear`` runs, and whether they widen to exactly a float32 weight.
+- ``top_p_mask_(logits, top_p)`` (``csrc/sampling.cpp``): in place, -inf outside each row's top-p set, found by
+  selection instead of a sort (``sample/top_k_top_p.py``).
 """
 
 from __future__ import annotations

@@ -26,6 +26,12 @@ at::Tensor widen_block_panels(const at::Tensor& panels);
 void pack_block_panels_(at::Tensor& out, const std::string& fmt, const std::vector<at::Tensor>& packed);
 // Whether the block panels widen to exactly weight [N, K] float32, value for value (as torch.equal).
 bool block_panels_equal(const at::Tensor& panels, const at::Tensor& weight);
+
+// ---- sampling (sampling.cpp) ----
+// In place: each row of logits [rows, vocab] float32 keeps the smallest best-first set whose probability reaches
+// top_p [rows] (an entry is kept while the mass above it is below top_p; the best always), the rest set to -inf.
+// Rows with top_p >= 1, NaN or no finite logit are left as they are.
+void top_p_mask_(at::Tensor& logits, const at::Tensor& top_p);
 at::Tensor linear_q8_0(const at::Tensor& x, const at::Tensor& qs, const at::Tensor& d,
                        const c10::optional<at::Tensor>& bias);
 // x float32 [T, K] rounded to int8 blocks of 32 (q * d), what the Q8_0 / Q4_1 kernels compute with.
