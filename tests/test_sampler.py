@@ -240,19 +240,16 @@ def reference_keep(logits: torch.Tensor, k: int, p: float) -> torch.Tensor:
 @pytest.mark.parametrize("selection", [True, False])  # top-p alone by the kernels' selection, or by windows
 @pytest.mark.parametrize("scale", [0.1, 3.0])  # flat: the top-p cut lies outside the topk window
 @pytest.mark.parametrize("windows", [4, 16])  # vocab = 16 windows: 3.0 settles in the wide window, 0.1 sorts
-def test_top_k_top_p_window_matches_full_sort(scale: float, windows: int, selection: bool, monkeypatch) -> None:
-    from twophase.sample import top_k_top_p
-    from twophase.sample.top_k_top_p import TOP_P_WINDOW, apply_top_k_top_p
+def test_top_k_top_p_window_matches_full_sort(scale: float, windows: int, selection: bool) -> None:
+    from twophase.sample.top_k_top_p import TOP_P_WINDOW, apply_top_k_top_p_
 
-    if selection:
-        require_kernels()
-    else:
-        monkeypatch.setattr(top_k_top_p, "_selection_kernels", lambda logits: None)
+    kernels = require_kernels() if selection else None
     vocab = windows * TOP_P_WINDOW
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(1)) * scale
     top_k = [vocab, 10, vocab, 600, vocab, 3]
     top_p = [0.9, 0.5, 1.0, 0.95, 0.37, 1.0]
-    out = apply_top_k_top_p(logits, top_k, top_p)
+    out = logits.clone()
+    apply_top_k_top_p_(out, top_k, top_p, kernels)
     for i in range(6):
         assert torch.equal(out[i] > float("-inf"), reference_keep(logits[i], top_k[i], top_p[i]))
         kept = out[i] > float("-inf")

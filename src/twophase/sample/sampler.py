@@ -22,12 +22,13 @@ Logprobs are computed from the raw distribution (log_softmax of the unprocessed 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from twophase.outputs import TokenLogprobs
-from twophase.sample.top_k_top_p import apply_top_k_top_p
+from twophase.sample.top_k_top_p import apply_top_k_top_p_
 from twophase.sampling_params import SamplingParams
 
 
@@ -129,6 +130,7 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
         self._cdf_buffer: torch.Tensor | None = None  # [rows, vocab] float64, see _running_sums
+        self.kernels = _built_kernels(self.device)  # top-p's selection (sample/top_k_top_p.py)
 
     def make_state(
         self,
@@ -272,7 +274,7 @@ class Sampler:
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_p = [p.top_p for p in params]
         if any(k < vocab for k in top_k) or any(p < 1.0 for p in top_p):
-            logits = apply_top_k_top_p(logits, top_k, top_p)
+            apply_top_k_top_p_(logits, top_k, top_p, self.kernels)  # logits: this call's own tensor
         probs = logits.softmax(dim=-1)  # [n, vocab]
         min_p = [p.min_p for p in params]
         if any(m > 0.0 for m in min_p):
@@ -341,3 +343,12 @@ class Sampler:
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
     """A [n, 1] float32 column for broadcasting per-row parameters."""
     return torch.tensor(values, dtype=torch.float32, device=device).unsqueeze(1)
+
+
+def _built_kernels(device: torch.device) -> ModuleType | None:
+    """The C++ kernels on the CPU when they are already built (never a build from here), else None."""
+    if device.type != "cpu":
+        return None
+    from twophase.model.ops.extension import built_kernels
+
+    return built_kernels()

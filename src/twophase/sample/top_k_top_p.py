@@ -2,8 +2,8 @@
 
 A full sort of [32, 49152] float32 logits takes ~80 ms on 2 CPU cores; ``topk`` over 256 candidates ~5 ms, over
 4,096 ~15 ms. A row with top-p alone goes to the C++ kernels' selection (``top_p_mask_``: the cut found by
-quickselect on the logits, carrying each side's probability mass, O(vocab)) when they are built and the logits are
-float32 on the CPU. Every other filtered row is settled by the narrowest ``topk`` window that holds its top-k and
+quickselect on the logits, carrying each side's probability mass, O(vocab)) when the caller has the kernels and the
+logits are float32 on the CPU. Every other filtered row is settled by the narrowest ``topk`` window that holds its top-k and
 enough mass for its top-p, the whole vocabulary sorted at worst.
 """
 
@@ -17,47 +17,23 @@ TOP_P_WINDOW = 256  # top-p candidates taken with topk first
 TOP_P_WIDE_WINDOW = 4096  # then, for rows the first window does not settle; then the whole vocabulary
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
-    """Keep the top-k, then the smallest set with cumulative prob >= top_p; mask the rest with -inf.
+def apply_top_k_top_p_(logits: torch.Tensor, top_k: list[int], top_p: list[float],
+                       kernels: ModuleType | None = None) -> None:
+    """In place: keep the top-k, then the smallest set with cumulative prob >= top_p; mask the rest with -inf.
 
     logits: [n, vocab]; ``top_k[i] == vocab`` and ``top_p[i] == 1`` disable the filters for row i. The best
-    token is always kept. Returns a new tensor [n, vocab]; ``logits`` is not changed.
+    token is always kept. ``kernels``: the C++ kernels, whose selection takes the rows with top-p alone (float32
+    logits on the CPU); every other filtered row goes through ``topk`` windows.
     """
     vocab = logits.shape[1]
-    out = logits.clone()
-    rows = [i for i in range(logits.shape[0]) if top_k[i] < vocab or top_p[i] < 1.0]
-    kernels = _selection_kernels(logits)
-    if kernels is not None:
-        alone = [i for i in rows if top_k[i] >= vocab]  # top-p alone: selection in C++
-        _top_p_by_selection(out, alone, [top_p[i] for i in alone], kernels)
-        rows = [i for i in rows if top_k[i] < vocab]
+    selection = kernels is not None and logits.dtype == torch.float32 and logits.device.type == "cpu"
+    if selection:  # a row's top_p of 1 leaves it alone, so rows with a top-k (or none) pass 1
+        kernels.top_p_mask_(logits, torch.tensor([p if k >= vocab else 1.0 for k, p in zip(top_k, top_p)],
+                                                 dtype=torch.float64))  # fmt: skip
+    rows = [i for i in range(logits.shape[0]) if top_k[i] < vocab or (top_p[i] < 1.0 and not selection)]
     if rows:
         row_index = torch.tensor(rows, dtype=torch.long, device=logits.device)  # [m]
-        out[row_index] = _window_filter(logits[row_index], [top_k[i] for i in rows], [top_p[i] for i in rows])
-    return out
-
-
-def _selection_kernels(logits: torch.Tensor) -> ModuleType | None:
-    """The C++ kernels when they are built and can filter ``logits`` (float32 on the CPU), else None."""
-    if logits.dtype != torch.float32 or logits.device.type != "cpu":
-        return None
-    from twophase.model.ops.extension import built_kernels
-
-    return built_kernels()
-
-
-def _top_p_by_selection(out: torch.Tensor, rows: list[int], top_p: list[float], kernels: ModuleType) -> None:
-    """In place: rows ``rows`` of ``out`` [n, vocab] cut to their top-p sets by the kernels' selection."""
-    if not rows:
-        return
-    p = torch.tensor(top_p, dtype=torch.float64)  # [m]
-    if len(rows) == out.shape[0]:
-        kernels.top_p_mask_(out, p)
-        return
-    row_index = torch.tensor(rows, dtype=torch.long)  # [m]
-    sub = out[row_index]  # [m, vocab], a copy
-    kernels.top_p_mask_(sub, p)
-    out[row_index] = sub
+        logits[row_index] = _window_filter(logits[row_index], [top_k[i] for i in rows], [top_p[i] for i in rows])
 
 
 def _window_filter(sub: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:

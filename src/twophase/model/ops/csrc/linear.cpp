@@ -842,7 +842,6 @@ void pack_panel_block(const uint8_t* qs, const uint16_t* d, const uint16_t* mn, 
 }
 
 void pack_block_panels_(at::Tensor& out, const std::string& fmt, const std::vector<at::Tensor>& packed) {
-  const auto shape_of = [&](int64_t N, int64_t K) { return block_panel_shape(fmt, N, K); };
   const bool q4 = fmt == "q4_1";
   TORCH_CHECK(packed.size() == (q4 ? 3u : 2u), fmt, " takes ", q4 ? "(qs, d, m)" : "(qs, d)");
   const at::Tensor qs = packed[0].contiguous(), d = packed[1].contiguous();
@@ -853,7 +852,7 @@ void pack_block_panels_(at::Tensor& out, const std::string& fmt, const std::vect
     mn = packed[2].contiguous();
     TORCH_CHECK(mn.sizes() == d.sizes() && mn.scalar_type() == at::kHalf, "m must match d");
   }
-  TORCH_CHECK(out.sizes() == at::IntArrayRef(shape_of(N, K)) && out.scalar_type() == at::kByte && out.is_contiguous(),
+  TORCH_CHECK(out.sizes() == at::IntArrayRef(block_panel_shape(fmt, N, K)) && out.scalar_type() == at::kByte && out.is_contiguous(),
               "out must be a contiguous uint8 tensor of block_panel_shape");
   const uint8_t* q = static_cast<const uint8_t*>(qs.data_ptr());
   const uint16_t *dd = half_bits(d), *mm = q4 ? half_bits(mn) : nullptr;

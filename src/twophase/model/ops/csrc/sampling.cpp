@@ -129,23 +129,22 @@ std::pair<double, double> masses_outside(const float* row, const float* w, int64
   return {above, from};
 }
 
-// The row's cut for target = top_p * total (> 0): the entries in [lo, hi] of the sample's bracket, when it holds
-// the cut, else all of them, through select_cut.
+// The row's cut for target = top_p * total (> 0): select_cut over the entries in the sample's bracket [lo, hi] when
+// it holds the cut, else over the whole row.
 float top_p_cut(const float* row, const float* w, int64_t n, double target, double total, std::vector<Entry>& buf,
                 std::vector<Entry>& sample) {
-  const auto [lo, hi] = bracket(row, w, n, target, total, sample);
-  const auto [above_hi, from_lo] = masses_outside(row, w, n, lo, hi);  // {logit > hi}, {logit >= lo}
-  buf.resize(n);
-  if (above_hi < target && from_lo >= target) {
-    int64_t count = 0;
-    for (int64_t i = 0; i < n; ++i) {  // branch-free: every entry written, the count advanced when it is inside
-      buf[count] = {row[i], w[i]};
-      count += static_cast<int64_t>(row[i] >= lo) & static_cast<int64_t>(row[i] <= hi);
-    }
-    return select_cut(buf.data(), buf.data() + count, above_hi, target);
+  auto [lo, hi] = bracket(row, w, n, target, total, sample);
+  auto [above_hi, from_lo] = masses_outside(row, w, n, lo, hi);  // {logit > hi}, {logit >= lo}
+  if (!(above_hi < target && from_lo >= target)) {
+    lo = kNegInf, hi = std::numeric_limits<float>::infinity(), above_hi = 0.0;
   }
-  for (int64_t i = 0; i < n; ++i) buf[i] = {row[i], w[i]};
-  return select_cut(buf.data(), buf.data() + n, 0.0, target);
+  buf.resize(n);
+  int64_t count = 0;
+  for (int64_t i = 0; i < n; ++i) {  // branch-free: every entry written, the count advanced when it is inside
+    buf[count] = {row[i], w[i]};
+    count += static_cast<int64_t>(row[i] >= lo) & static_cast<int64_t>(row[i] <= hi);
+  }
+  return select_cut(buf.data(), buf.data() + count, above_hi, target);
 }
 
 }  // namespace
