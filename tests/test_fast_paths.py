@@ -20,8 +20,9 @@ from test_parity_hf import PROMPTS, packed_logits
 from twophase import LLM, SamplingParams
 from twophase.model.ops.extension import load_kernels
 from twophase.engine import llm_engine
-from twophase.model.ops.linear import (MAX_KERNEL_ROWS, BlockPanelLinear, KernelLinear, dequantize, exact_block_panels,
-                                       pack_block_panels, pack_block_panels_reference, quantize)
+from twophase.model.ops.linear import (MAX_KERNEL_ROWS, BlockPanelLinear, KernelLinear, check_stored_shape, dequantize,
+                                       exact_block_panels, make_linear, pack_block_panels, pack_block_panels_reference,
+                                       quantize)
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
@@ -130,6 +131,51 @@ def test_float32_gguf_blocks_run_bit_identical(tiny_llama_dir, tmp_path, monkeyp
     for ours, theirs in zip(packed_logits(blocks, PROMPTS), packed_logits(panels, PROMPTS)):
         assert torch.equal(ours, theirs)
     assert [o.token_ids for o in blocks.generate(PROMPTS, GREEDY)] == [o.token_ids for o in panels.generate(PROMPTS, GREEDY)]
+
+
+PROJECTIONS = ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
+
+@pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_untied_dir"])
+def test_weights_built_from_blocks_are_never_dequantised(fixture, request, tmp_path, monkeypatch):
+    """A float32 model read from GGUF Q8_0 blocks reads as float32 only the embedding and the norms: the
+    projections and an untied head run from their blocks and are never dequantised. Its layers hold the panels of
+    the checked path (every weight loaded as float32, then compared with the widened blocks) byte for byte."""
+    from tiny_models import write_tiny_gguf
+    from twophase.config import CacheConfig
+    from twophase.engine.model_runner import ModelRunner
+    from twophase.loader import gguf_reader, open_model_source
+
+    path = write_tiny_gguf(request.getfixturevalue(fixture), tmp_path / "q8.gguf", dtype="q8_0")
+    read: list[str] = []
+    dequantize_tensor = gguf_reader.dequantize_tensor
+    monkeypatch.setattr(gguf_reader, "dequantize_tensor",
+                        lambda tensor, kernels=None: read.append(tensor.name) or dequantize_tensor(tensor, kernels))
+    skipping = make_llm(path, dtype="float32").engine.model_runner.model
+    assert "token_embd.weight" in read and "output.weight" not in read
+    assert all(name == "token_embd.weight" or name.endswith("norm.weight") for name in read), read
+    source = open_model_source(str(path))
+    checked = ModelRunner(source.config, list(source.iter_weights(progress=False)), CacheConfig(block_size=4, num_blocks=8),
+                          64, torch.float32, torch.device("cpu"), native_weights=source.native_quantized_weights()).model
+    pairs = [(skipping.logits_head, checked.logits_head)]
+    pairs += [(a.get_submodule(n), b.get_submodule(n)) for a, b in zip(skipping.layers, checked.layers) for n in PROJECTIONS]
+    for ours, theirs in pairs:
+        assert isinstance(ours, BlockPanelLinear) and isinstance(theirs, BlockPanelLinear)
+        assert torch.equal(ours.panels, theirs.panels)
+
+
+def test_stored_blocks_of_another_shape_are_refused(kernels):
+    """Blocks that do not hold the model's shape fail loading with the names and shapes; a layer without its loaded
+    weight is refused unless its blocks are widened exactly (float32 on the kernels)."""
+    native = ("q8_0", quantize(torch.randn(8, 64), "q8_0"))
+    with pytest.raises(ValueError, match="layers.0.mlp.down_proj: the file stores a 8 x 64 weight, the model needs 8 x 32"):
+        check_stored_shape(native, torch.Size([8, 32]), "layers.0.mlp.down_proj")
+    check_stored_shape(native, torch.Size([8, 64]), "layers.0.mlp.down_proj")
+    assert isinstance(make_linear(None, None, "none", kernels, native), BlockPanelLinear)
+    for quantization, native_or_none, kernels_or_none in (("none", None, kernels), ("int8", native, kernels),
+                                                          ("none", native, None)):  # fmt: skip
+        with pytest.raises(ValueError, match="without its loaded weight"):
+            make_linear(None, None, quantization, kernels_or_none, native_or_none)
 
 
 def test_long_prompts_stay_in_the_decoder_stack_on_the_panels(tiny_llama_dir):
@@ -321,7 +367,7 @@ def test_real_model_agreement_with_float32(default_model, dtype, quantization, c
 def test_gguf_weights_run_as_stored(default_model):
     """--quantization gguf keeps SmolLM2's Q4_1 projections and Q8_0 head as stored: dequantising them gives back
     exactly the float32 weights the loader reads (so row order and llama.cpp's q/k permutation are right). The
-    float32 default runs from the same blocks."""
+    float32 default runs from the same blocks (never loaded as float32), which widen to those weights too."""
     dense = LLM(str(default_model), dtype="float32", progress=False, num_blocks=8).engine.model_runner.model
     native = LLM(str(default_model), dtype="float32", quantization="gguf", progress=False, num_blocks=8)
     model = native.engine.model_runner.model
@@ -330,9 +376,19 @@ def test_gguf_weights_run_as_stored(default_model):
     assert isinstance(dense.logits_head, BlockPanelLinear) and dense.logits_head.fmt == "q8_0"
     assert all(isinstance(layer.mlp.down_proj, BlockPanelLinear) and layer.mlp.down_proj.fmt == "q4_1"
                for layer in dense.layers)
-    for i in (0, len(model.layers) - 1):
-        for name in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"):
+    from twophase.loader import open_model_source
+
+    last = len(model.layers) - 1
+    loaded = dict(open_model_source(str(default_model)).iter_weights(progress=False))  # the loader's float32
+    parts = {"self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+             "self_attn.o_proj": ("self_attn.o_proj",), "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+             "mlp.down_proj": ("mlp.down_proj",)}  # fmt: skip
+    for i in (0, last):
+        for name in PROJECTIONS:
             layer, reference = model.layers[i].get_submodule(name), dense.layers[i].get_submodule(name)
+            expected = torch.cat([loaded[f"model.layers.{i}.{part}.weight"] for part in parts[name]])
             assert layer.fmt == "q4_1"
-            assert torch.equal(layer.dequantized(), reference.unpacked_weight()), name
+            assert torch.equal(layer.dequantized(), expected), name
+            assert torch.equal(reference.unpacked_weight(), expected), name
     assert torch.equal(model.logits_head.dequantized(), dense.embed_tokens.weight)
+    assert torch.equal(dense.embed_tokens.weight, loaded["model.embed_tokens.weight"])

@@ -94,8 +94,8 @@ class SyntheticSource:
 
     config: ModelConfig
 
-    def iter_weights(self, progress: bool | None = None):
-        """Random HF-named weights (seed 0)."""
+    def iter_weights(self, progress: bool | None = None, skip=()):
+        """Random HF-named weights (seed 0); none is stored quantized, so none is skipped."""
         from twophase.model.registry import random_weights
 
         return random_weights(self.config, seed=0)

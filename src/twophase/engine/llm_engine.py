@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import threading
 import time
@@ -55,7 +56,7 @@ def build_model_runner(config: EngineConfig, source, tp=None, progress: bool = T
     torch.manual_seed(config.seed)
     max_model_len = min(config.scheduler.max_model_len, source.config.max_position_embeddings)
     return ModelRunner(
-        source.config, source.iter_weights(progress=progress), config.cache, max_model_len,
+        source.config, functools.partial(source.iter_weights, progress=progress), config.cache, max_model_len,
         resolve_dtype(config.dtype, device), device, seed=config.seed, options=runner_options(config),
         native_weights=source.native_quantized_weights() if wants_native_weights(config) else None,
         tp=tp,

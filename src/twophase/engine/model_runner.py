@@ -11,7 +11,7 @@ import contextlib
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -69,7 +69,7 @@ class ModelRunner:
     def __init__(
         self,
         model_config: ModelConfig,
-        weights: Iterable[tuple[str, torch.Tensor]],
+        weights: Iterable[tuple[str, torch.Tensor]] | Callable[..., Iterable[tuple[str, torch.Tensor]]],
         cache_config: CacheConfig,
         max_model_len: int,
         dtype: torch.dtype,
@@ -79,8 +79,10 @@ class ModelRunner:
         native_weights: dict | None = None,
         tp=None,
     ) -> None:
-        """``native_weights``: HF name → (format, tensors) of weights as stored in a GGUF file, executed as stored
-        when the quantization asks for their format (or is ``gguf``). ``tp``: this rank's
+        """``weights``: the HF-named tensors, or their reader ``weights(skip=names)`` (``ModelSource.iter_weights``),
+        which lets the runner leave out the weights it builds from stored blocks alone (never dequantised).
+        ``native_weights``: HF name → (format, tensors) of weights as stored in a GGUF file, executed as stored
+        when the quantization asks for their format (or is ``gguf``), or widened exactly. ``tp``: this rank's
         ``distributed.TensorParallelGroup`` — the runner then holds only its shard (weights, KV heads)."""
         options = options or RunnerOptions()
         self.model_config = model_config
@@ -90,7 +92,7 @@ class ModelRunner:
             from twophase.distributed.sharding import shard_native, shard_weights
 
             self.local_config = tp.plan.local_config(model_config)
-            weights = shard_weights(weights, tp.plan, model_config)
+            weights = shard_weights(weights() if callable(weights) else weights, tp.plan, model_config)
             native_weights = shard_native(native_weights, tp.plan, model_config)
         self.block_size = cache_config.block_size
         self.dtype = dtype
@@ -101,9 +103,16 @@ class ModelRunner:
             model_config.head_dim, device, dtype,
         )  # fmt: skip
         self.model = build_model(self.local_config, max_model_len, dtype, device, self.backend)
-        self.model.load_weights(weights)
+        kernels = self._linear_kernels(options)
+        skipped = set()
+        if callable(weights):  # a reader that can leave out what the blocks alone build (one process only)
+            if native_weights and tp is None:
+                skipped = self.model.weights_built_from_blocks(native_weights, options.quantization, kernels, dtype,
+                                                               device)  # fmt: skip
+            weights = weights(skip=skipped)
+        self.model.load_weights(weights, absent=skipped)
         self.model.eval()
-        self._pack(options, native_weights)
+        self._pack(options, native_weights, kernels)
         self.num_blocks = self._num_blocks(cache_config, max_model_len, options.max_num_seqs)
         if tp is not None:
             from twophase.distributed.layers import parallelize
@@ -114,15 +123,18 @@ class ModelRunner:
         self.sampler = Sampler(model_config.vocab_size, device=device, seed=seed)
         self.requests: dict[str, _RequestState] = {}
 
-    def _pack(self, options: RunnerOptions, native_weights: dict | None) -> None:
-        quantization, linear_backend = options.quantization, options.linear_backend
-        if linear_backend not in ("auto", "torch"):
-            raise ValueError(f"unknown linear backend {linear_backend!r}; choose auto or torch")
-        kernels = None
-        if self.device.type == "cpu" and linear_backend == "auto":
-            from twophase.model.ops.extension import load_kernels
+    def _linear_kernels(self, options: RunnerOptions):
+        """The C++ kernels module the linear layers run on (CPU, ``--linear-backend auto``, built), else None."""
+        if options.linear_backend not in ("auto", "torch"):
+            raise ValueError(f"unknown linear backend {options.linear_backend!r}; choose auto or torch")
+        if self.device.type != "cpu" or options.linear_backend != "auto":
+            return None
+        from twophase.model.ops.extension import load_kernels
 
-            kernels = load_kernels()
+        return load_kernels()
+
+    def _pack(self, options: RunnerOptions, native_weights: dict | None, kernels) -> None:
+        quantization = options.quantization
         if options.deterministic:
             self._check_batch_invariant(kernels)
         self.quantization = quantization

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -43,21 +43,25 @@ class ModelSource:
             return len(self.reader.tensors)
         return sum(safetensors_reader.check_shard(shard) for shard in self.shards)
 
-    def iter_weights(self, progress: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    def iter_weights(self, progress: bool | None = None, skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield ``(hf_name, tensor)`` in HF orientation ``[out_features, in_features]``.
 
         Safetensors tensors keep their stored dtype; GGUF tensors are dequantized to float32.
         ``progress``: show a tqdm bar (None: ``$TWOPHASE_PROGRESS``, else only on a terminal).
+        ``skip``: HF names not to read (a GGUF tensor the runner executes from its stored blocks is never dequantized).
         """
         bar = tqdm(total=self.num_tensors(), desc=f"loading {self.path.name}", unit="tensor",
                    disable=_progress_disabled(progress), leave=False)
         with bar:
             if self.reader is not None:
-                weights = gguf_reader.iter_gguf(self.reader, self.config, self.reader.tensors)
+                tensors = [t for t in self.reader.tensors if gguf_reader.hf_name(t.name) not in skip]
+                bar.update(len(self.reader.tensors) - len(tensors))
+                weights = gguf_reader.iter_gguf(self.reader, self.config, tensors)
             else:
                 weights = safetensors_reader.iter_safetensors(self.shards)
             for name, tensor in weights:
-                yield name, tensor
+                if name not in skip:
+                    yield name, tensor
                 bar.update(1)
 
 

@@ -6,7 +6,8 @@ One forward for every mix of prefill chunks and decode tokens: shapes are [num_t
 from __future__ import annotations
 
 import math
-from typing import Any, Iterable
+from collections.abc import Collection, Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -159,8 +160,8 @@ class LlamaForCausalLM(nn.Module):
         native = native or {}
         head_name = "model.embed_tokens.weight" if self.lm_head is None else "lm_head.weight"
         head_weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        self.logits_head = make_linear(head_weight.data, None, quantization, kernels, native.get(head_name),
-                                       batch_invariant)
+        head_weight = None if head_weight.is_meta else head_weight.data
+        self.logits_head = make_linear(head_weight, None, quantization, kernels, native.get(head_name), batch_invariant)
         # a tied head packed for its kernel (column panels, a block format) is a second copy: the embedding looks rows
         # up in its own row-major tensor
         self.lm_head = None
@@ -170,10 +171,38 @@ class LlamaForCausalLM(nn.Module):
                            batch_invariant)
         self.stack_max_rows = stack_row_limit(self.layers)  # inf when batch-invariant (every kernel takes any batch)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises on missing or unexpected names."""
+    def weights_built_from_blocks(self, native: dict, quantization: str, kernels, dtype: torch.dtype,
+                                  device: torch.device) -> set[str]:  # fmt: skip
+        """HF names of the weights ``pack`` would build from their stored blocks alone (``builds_from_blocks``), so
+        they need not be loaded (``load_weights(absent=...)``): every part of each such projection, and an untied LM
+        head. A tied head stays loaded: the embedding looks its rows up."""
+        from twophase.model.ops.linear import builds_from_blocks
+
+        names: set[str] = set()
+        for module_name, module in self.named_modules():
+            if not isinstance(module, nn.Linear) or not module_name.startswith("layers."):
+                continue
+            parts = _stored_parts(module_name)
+            found = {native[p][0] if p in native else None for p in parts}
+            if len(found) == 1 and builds_from_blocks(found.pop(), quantization, kernels, dtype, device):
+                names.update(parts)
+        head = native.get("lm_head.weight")
+        if self.lm_head is not None and head and builds_from_blocks(head[0], quantization, kernels, dtype, device):
+            names.add("lm_head.weight")
+        return names
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], absent: Collection[str] = ()) -> None:
+        """Copy HF-named tensors in, fusing q/k/v and gate/up. Raises on missing or unexpected names.
+        ``absent``: HF names deliberately not loaded (``weights_built_from_blocks``); their parameters go to the
+        meta device, which tells ``pack`` to build those layers from the stored blocks."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
+        for hf_name in absent:
+            name, shard = _map_hf_name(hf_name)
+            module_name, _, attr = name.rpartition(".")
+            unloaded = torch.empty(params[name].shape, dtype=params[name].dtype, device="meta")  # frees the storage
+            setattr(self.get_submodule(module_name), attr, nn.Parameter(unloaded, requires_grad=False))
+            loaded.add(f"{name}:{shard}")
         for hf_name, tensor in weights:
             name, shard = _map_hf_name(hf_name)
             if name == "lm_head.weight" and self.lm_head is None:
@@ -192,12 +221,16 @@ _FUSED = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("
           "gate_proj": ("gate_up_proj", "gate"), "up_proj": ("gate_up_proj", "up")}  # fmt: skip
 
 
+def _stored_parts(module_name: str) -> list[str]:
+    """HF names of the stored weights a (possibly fused) projection is made of, in fusion order."""
+    parts = [f"model.{module_name.replace(fused, part)}.weight" for part, (fused, _) in _FUSED.items() if fused in module_name]
+    return parts or [f"model.{module_name}.weight"]
+
+
 def _fused_native(native: dict, module_name: str):
     """(format, tensors) of a (possibly fused) projection from its stored parts, rows concatenated in fusion
     order; None unless every part is stored natively in one format."""
-    parts = [f"model.{module_name.replace(fused, part)}.weight" for part, (fused, _) in _FUSED.items() if fused in module_name]
-    parts = parts or [f"model.{module_name}.weight"]
-    found = [native.get(p) for p in parts]
+    found = [native.get(p) for p in _stored_parts(module_name)]
     if any(f is None for f in found) or len({f[0] for f in found}) != 1:
         return None
     return found[0][0], tuple(torch.cat(tensors, dim=0) for tensors in zip(*(f[1] for f in found)))

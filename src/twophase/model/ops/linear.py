@@ -271,8 +271,21 @@ def dequantize(packed: tuple[torch.Tensor, ...], fmt: str) -> torch.Tensor:
     return quant.dequantize_q8_0(*packed) if fmt == "q8_0" else quant.dequantize_q4_1(*packed)
 
 
+def builds_from_blocks(fmt: str | None, quantization: str, kernels: ModuleType | None, dtype: torch.dtype,
+                       device: torch.device) -> bool:  # fmt: skip
+    """Whether ``make_linear`` builds a layer whose weight a GGUF file stores as ``fmt`` blocks (None: not stored as
+    blocks our kernels run) from those blocks alone, never reading the float weight: executed as stored
+    (``quantization`` gguf or ``fmt``), or, float32 on CPU with the kernels, widened exactly (``BlockPanelLinear``)."""
+    if fmt is None:
+        return False
+    if quantization in ("gguf", fmt):
+        return True
+    on_cpu = kernels is not None and device.type == "cpu"
+    return quantization == "none" and on_cpu and dtype == torch.float32 and fmt in BLOCK_FORMATS
+
+
 def make_linear(
-    weight: torch.Tensor, bias: torch.Tensor | None, quantization: str, kernels: ModuleType | None,
+    weight: torch.Tensor | None, bias: torch.Tensor | None, quantization: str, kernels: ModuleType | None,
     native: tuple[str, tuple[torch.Tensor, ...]] | None = None, batch_invariant: bool = False,
 ) -> nn.Module:
     """The fastest available layer computing ``x Wᵀ + b`` for ``weight`` [out, in] in the chosen format.
@@ -280,12 +293,19 @@ def make_linear(
     ``native``: (format, tensors) of the same weight as stored in a GGUF file; used as is when its format is the
     one asked for, or for ``gguf`` (each weight as stored; float where it is stored as float); without quantization,
     a float32 weight those blocks widen to exactly runs from them (``BlockPanelLinear``).
+    ``weight`` None: not loaded, because the file's float32 values of it are by definition the blocks widened (the
+    loader's dequantisation is the widening's arithmetic), so ``builds_from_blocks`` must hold: the layer is built
+    from ``native`` without the check.
     ``batch_invariant``: the kernel at every batch size (each output row is computed by the same instructions in
     the same order whatever the other rows are), never the F.linear fallback."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
     if native is not None and quantization in ("gguf", native[0]):
         return QuantizedLinear(None, bias, native[0], kernels, packed=native[1], batch_invariant=batch_invariant)
+    if weight is None:
+        if native is None or not builds_from_blocks(native[0], quantization, kernels, torch.float32, torch.device("cpu")):
+            raise ValueError("a linear layer without its loaded weight needs stored blocks its kernel widens exactly")
+        return BlockPanelLinear(native, bias, kernels, batch_invariant)
     on_cpu = kernels is not None and weight.device.type == "cpu"
     if quantization == "int8" and on_cpu:
         q, scale = quantize_int8(weight)
@@ -300,11 +320,25 @@ def make_linear(
 
 def pack_linear_layers(model: nn.Module, quantization: str, kernels: ModuleType | None, native_of=None,
                        batch_invariant: bool = False) -> None:  # fmt: skip
-    """Replace every ``nn.Linear`` in ``model`` by ``make_linear`` of its loaded weight (in place).
+    """Replace every ``nn.Linear`` in ``model`` by ``make_linear`` of its loaded weight (in place); a weight left on
+    the meta device was not loaded (see ``make_linear``: built from its stored blocks, whose shape must match).
     ``native_of(qualified module name)``: its weight as stored in the file, (format, tensors) or None."""
     for parent_name, parent in list(model.named_modules()):
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                native = native_of(f"{parent_name}.{name}".lstrip(".")) if native_of else None
+                qualified = f"{parent_name}.{name}".lstrip(".")
+                native = native_of(qualified) if native_of else None
                 bias = None if child.bias is None else child.bias.data
-                setattr(parent, name, make_linear(child.weight.data, bias, quantization, kernels, native, batch_invariant))
+                weight = None if child.weight.is_meta else child.weight.data
+                if weight is None and native is not None:
+                    check_stored_shape(native, child.weight.shape, qualified)
+                setattr(parent, name, make_linear(weight, bias, quantization, kernels, native, batch_invariant))
+
+
+def check_stored_shape(native: tuple[str, tuple[torch.Tensor, ...]], shape: torch.Size, name: str) -> None:
+    """Raise ValueError when blocks stored for ``name`` (format, tensors) hold another shape than the model's
+    ``shape`` [out, in] (what loading its float32 values would have caught)."""
+    scales = native[1][1]  # [out, in / 32]: one scale a block, in every block format
+    stored = (scales.shape[0], scales.shape[1] * quant.QK)
+    if stored != tuple(shape):
+        raise ValueError(f"{name}: the file stores a {stored[0]} x {stored[1]} weight, the model needs {shape[0]} x {shape[1]}")
