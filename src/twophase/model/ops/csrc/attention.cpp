@@ -55,6 +55,30 @@ inline void kv_rows(const T* cache, int64_t s0, int64_t head_off, const int32_t*
   }
 }
 
+// Reads the slots of keys p0 .. p0 + n - 1 whole (every kv head from the row at K[j] / V[j] on, `bytes` each), one
+// 32-byte load per 64-byte line in address order, so that the per-kv-head passes of a whole-slot item (attend) find
+// them in cache. Those passes walk each slot a third at a time, three times, which the hardware prefetcher followed
+// at two thirds of the rate of one pass in order: decode attention over 32 requests x 320 keys x 30 layers (float32,
+// 2 Zen 3 cores) took 1.25-1.37x as long without this pass. Prefetch instructions for the same lines, of this chunk
+// or of the next one, changed nothing there: the loads are real.
+template <class T>
+inline void pull_slots(const T* const* K, const T* const* V, int64_t n, int64_t bytes) {
+#if defined(__AVX2__) && defined(__GNUC__)
+  __m256i kacc = _mm256_setzero_si256(), vacc = kacc;
+  for (int64_t j = 0; j < n; ++j) {
+    const char* k = reinterpret_cast<const char*>(K[j]);
+    const char* v = reinterpret_cast<const char*>(V[j]);
+    for (int64_t off = 0; off + 32 <= bytes; off += 64) {
+      kacc = _mm256_xor_si256(kacc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(k + off)));
+      vacc = _mm256_xor_si256(vacc, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(v + off)));
+    }
+  }
+  __asm__ volatile("" : : "x"(kacc), "x"(vacc));  // the loads are the point: keep them
+#else
+  (void)K, (void)V, (void)n, (void)bytes;
+#endif
+}
+
 // The n bfloat16 rows as float32 rows in buf (D apart).
 inline void widen_rows(const uint16_t* const* rows, int64_t n, int64_t D, float* buf, const float** out) {
   for (int64_t j = 0; j < n; ++j) convert(buf + j * D, rows[j], D), out[j] = buf + j * D;
@@ -159,8 +183,17 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
   const bool widen = per_head > G;  // used for bfloat16 caches only
   const int64_t last = start + w.q1 - 1;  // furthest key position any row sees
   const int32_t* bt = a.block_tables + w.req * a.max_blocks;
+  // a whole-slot item's heads side by side in each slot (contiguous caches): read every chunk's slots in order first
+  const bool pull = w.kv1 - w.kv0 > 1 && a.k_s1 == D && a.v_s1 == D;
   for (int64_t p0 = 0; p0 <= last;) {
     const int64_t n = std::min(KEY_CHUNK, last + 1 - p0);
+    if (pull) {
+      const T* K[KEY_CHUNK];
+      const T* V[KEY_CHUNK];
+      kv_rows(kc, a.k_s0, w.kv0 * a.k_s1, bt, bs, p0, n, K);
+      kv_rows(vc, a.v_s0, w.kv0 * a.v_s1, bt, bs, p0, n, V);
+      pull_slots(K, V, n, static_cast<int64_t>((w.kv1 - w.kv0) * D * sizeof(T)));
+    }
     for (int64_t g = w.kv0; g < w.kv1; ++g) {
       // The rows of kv head g over keys p0 .. p0 + n - 1, K and V rows given as float32 or bfloat16 pointers.
       auto attend_head = [&](const auto* const* K, const auto* const* V) {
