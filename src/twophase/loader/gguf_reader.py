@@ -16,6 +16,7 @@ import hashlib
 import json
 import os
 import re
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -279,7 +280,7 @@ def dequantize_tensor(tensor: GGUFTensor, kernels: ModuleType | None = None) -> 
         from twophase.model.ops.linear import dequantize as dequantize_packed
 
         k, n = (int(x) for x in tensor.shape)
-        raw = torch.from_numpy(np.array(tensor.data, copy=True).view(np.uint8).reshape(-1))
+        raw = raw_block_bytes(tensor)
         if kernels is not None:
             return kernels.dequantize_gguf(raw, fmt, n, k).numpy()
         packed = quant.from_gguf_q8_0(raw, n, k) if fmt == "q8_0" else quant.from_gguf_q4_1(raw, n, k)
@@ -288,6 +289,15 @@ def dequantize_tensor(tensor: GGUFTensor, kernels: ModuleType | None = None) -> 
         return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
     except Exception as exc:
         raise ModelLoadError(f"cannot dequantize {tensor.name} ({tensor.tensor_type.name}): {exc}") from exc
+
+
+def raw_block_bytes(tensor: GGUFTensor) -> torch.Tensor:
+    """A GGUF tensor's stored bytes as a flat uint8 tensor over the memory-mapped file, not copied: its readers
+    (``quant.from_gguf_*``, the kernels' ``dequantize_gguf``) copy out what they keep and never write to it."""
+    data = np.asarray(tensor.data).view(np.uint8).reshape(-1)
+    with warnings.catch_warnings():  # torch warns that a read-only array's tensor must not be written: it is not
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(data)
 
 
 def iter_gguf_native(reader: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, str, tuple[torch.Tensor, ...]]]:
@@ -302,7 +312,7 @@ def iter_gguf_native(reader: GGUFFile, config: ModelConfig) -> Iterator[tuple[st
         if fmt is None or len(tensor.shape) != 2:
             continue
         k, n = (int(x) for x in tensor.shape)  # GGUF lists dimensions innermost first
-        raw = torch.from_numpy(np.array(tensor.data, copy=True).view(np.uint8).reshape(-1))
+        raw = raw_block_bytes(tensor)
         packed = quant.from_gguf_q8_0(raw, n, k) if fmt == "q8_0" else quant.from_gguf_q4_1(raw, n, k)
         if permute and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
