@@ -89,10 +89,9 @@ class ModelRunner:
         self.tp = tp
         self.local_config = model_config  # the shapes this process holds (a shard of them under tensor parallelism)
         if tp is not None:
-            from twophase.distributed.sharding import shard_native, shard_weights
+            from twophase.distributed.sharding import shard_native
 
             self.local_config = tp.plan.local_config(model_config)
-            weights = shard_weights(weights() if callable(weights) else weights, tp.plan, model_config)
             native_weights = shard_native(native_weights, tp.plan, model_config)
         self.block_size = cache_config.block_size
         self.dtype = dtype
@@ -105,12 +104,9 @@ class ModelRunner:
         self.model = build_model(self.local_config, max_model_len, dtype, device, self.backend)
         kernels = self._linear_kernels(options)
         skipped = set()
-        if callable(weights):  # a reader that can leave out what the blocks alone build (one process only)
-            if native_weights and tp is None:
-                skipped = self.model.weights_built_from_blocks(native_weights, options.quantization, kernels, dtype,
-                                                               device)  # fmt: skip
-            weights = weights(skip=skipped)
-        self.model.load_weights(weights, absent=skipped)
+        if callable(weights) and native_weights and tp is None:  # a reader can leave out what blocks alone build
+            skipped = self.model.weights_built_from_blocks(native_weights, options.quantization, kernels, dtype, device)
+        self.model.load_weights(self._weight_stream(weights, skipped), absent=skipped)
         self.model.eval()
         self._pack(options, native_weights, kernels)
         self.num_blocks = self._num_blocks(cache_config, max_model_len, options.max_num_seqs)
@@ -122,6 +118,16 @@ class ModelRunner:
         self.kv_caches = self._allocate_kv_caches()
         self.sampler = Sampler(model_config.vocab_size, device=device, seed=seed)
         self.requests: dict[str, _RequestState] = {}
+
+    def _weight_stream(self, weights, skip: set[str]) -> Iterable[tuple[str, torch.Tensor]]:
+        """The tensors to load: read without ``skip`` when ``weights`` is a reader; this rank's shard of each under
+        tensor parallelism."""
+        weights = weights(skip=skip) if callable(weights) else weights
+        if self.tp is None:
+            return weights
+        from twophase.distributed.sharding import shard_weights
+
+        return shard_weights(weights, self.tp.plan, self.model_config)
 
     def _linear_kernels(self, options: RunnerOptions):
         """The C++ kernels module the linear layers run on (CPU, ``--linear-backend auto``, built), else None."""

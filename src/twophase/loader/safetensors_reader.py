@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
 
 import torch
@@ -57,13 +57,13 @@ def check_shard(shard: Path) -> int:
         raise ModelLoadError(f"corrupt or truncated safetensors file {shard}: {exc}") from exc
 
 
-def iter_safetensors(shards: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(hf_name, tensor)`` in native dtype from every shard."""
+def iter_safetensors(shards: list[Path], skip: Collection[str] = ()) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(hf_name, tensor)`` in native dtype from every shard, except the names in ``skip`` (never read)."""
     for shard in shards:
         try:
             with safe_open(str(shard), framework="pt") as handle:
                 for name in handle.keys():
-                    if name.endswith(_SKIPPED_SUFFIXES):
+                    if name.endswith(_SKIPPED_SUFFIXES) or name in skip:
                         continue
                     yield name, handle.get_tensor(name)
         except ModelLoadError:

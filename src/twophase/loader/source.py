@@ -53,15 +53,14 @@ class ModelSource:
         bar = tqdm(total=self.num_tensors(), desc=f"loading {self.path.name}", unit="tensor",
                    disable=_progress_disabled(progress), leave=False)
         with bar:
-            if self.reader is not None:
+            if self.reader is not None:  # skipped before reading: never dequantised
                 tensors = [t for t in self.reader.tensors if gguf_reader.hf_name(t.name) not in skip]
                 bar.update(len(self.reader.tensors) - len(tensors))
                 weights = gguf_reader.iter_gguf(self.reader, self.config, tensors)
             else:
-                weights = safetensors_reader.iter_safetensors(self.shards)
+                weights = safetensors_reader.iter_safetensors(self.shards, skip)
             for name, tensor in weights:
-                if name not in skip:
-                    yield name, tensor
+                yield name, tensor
                 bar.update(1)
 
 

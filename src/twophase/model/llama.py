@@ -182,10 +182,8 @@ class LlamaForCausalLM(nn.Module):
         for module_name, module in self.named_modules():
             if not isinstance(module, nn.Linear) or not module_name.startswith("layers."):
                 continue
-            parts = _stored_parts(module_name)
-            found = {native[p][0] if p in native else None for p in parts}
-            if len(found) == 1 and builds_from_blocks(found.pop(), quantization, kernels, dtype, device):
-                names.update(parts)
+            if builds_from_blocks(_stored_format(native, module_name), quantization, kernels, dtype, device):
+                names.update(_stored_parts(module_name))
         head = native.get("lm_head.weight")
         if self.lm_head is not None and head and builds_from_blocks(head[0], quantization, kernels, dtype, device):
             names.add("lm_head.weight")
@@ -227,13 +225,21 @@ def _stored_parts(module_name: str) -> list[str]:
     return parts or [f"model.{module_name}.weight"]
 
 
+def _stored_format(native: dict, module_name: str) -> str | None:
+    """The block format every stored part of a (possibly fused) projection shares; None unless all are stored
+    natively in one format."""
+    formats = {native[p][0] if p in native else None for p in _stored_parts(module_name)}
+    return formats.pop() if len(formats) == 1 else None
+
+
 def _fused_native(native: dict, module_name: str):
     """(format, tensors) of a (possibly fused) projection from its stored parts, rows concatenated in fusion
     order; None unless every part is stored natively in one format."""
-    found = [native.get(p) for p in _stored_parts(module_name)]
-    if any(f is None for f in found) or len({f[0] for f in found}) != 1:
+    fmt = _stored_format(native, module_name)
+    if fmt is None:
         return None
-    return found[0][0], tuple(torch.cat(tensors, dim=0) for tensors in zip(*(f[1] for f in found)))
+    found = [native[p][1] for p in _stored_parts(module_name)]
+    return fmt, tuple(torch.cat(tensors, dim=0) for tensors in zip(*found))
 
 
 def _map_hf_name(hf_name: str) -> tuple[str, str]:

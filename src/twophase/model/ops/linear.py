@@ -300,12 +300,17 @@ def make_linear(
     the same order whatever the other rows are), never the F.linear fallback."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATIONS)}")
-    if native is not None and quantization in ("gguf", native[0]):
-        return QuantizedLinear(None, bias, native[0], kernels, packed=native[1], batch_invariant=batch_invariant)
+    fmt = None if native is None else native[0]
+    if fmt is not None and quantization in ("gguf", fmt):
+        return QuantizedLinear(None, bias, fmt, kernels, packed=native[1], batch_invariant=batch_invariant)
     if weight is None:
-        if native is None or not builds_from_blocks(native[0], quantization, kernels, torch.float32, torch.device("cpu")):
+        if not builds_from_blocks(fmt, quantization, kernels, torch.float32, torch.device("cpu")):
             raise ValueError("a linear layer without its loaded weight needs stored blocks its kernel widens exactly")
         return BlockPanelLinear(native, bias, kernels, batch_invariant)
+    if builds_from_blocks(fmt, quantization, kernels, weight.dtype, weight.device):
+        exact = exact_block_panels(weight, bias, native, kernels, batch_invariant)
+        if exact is not None:
+            return exact
     on_cpu = kernels is not None and weight.device.type == "cpu"
     if quantization == "int8" and on_cpu:
         q, scale = quantize_int8(weight)
@@ -314,8 +319,7 @@ def make_linear(
         return QuantizedLinear(weight, bias, quantization, kernels, batch_invariant=batch_invariant)
     if not on_cpu or weight.dtype not in (torch.float32, torch.bfloat16):
         return DenseLinear(weight, bias)
-    exact = exact_block_panels(weight, bias, native, kernels, batch_invariant) if native is not None else None
-    return exact or KernelLinear(weight, bias, kernels, batch_invariant)
+    return KernelLinear(weight, bias, kernels, batch_invariant)
 
 
 def pack_linear_layers(model: nn.Module, quantization: str, kernels: ModuleType | None, native_of=None,

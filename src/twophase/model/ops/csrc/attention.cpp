@@ -187,13 +187,11 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
   const bool pull = w.kv1 - w.kv0 > 1 && a.k_s1 == D && a.v_s1 == D;
   for (int64_t p0 = 0; p0 <= last;) {
     const int64_t n = std::min(KEY_CHUNK, last + 1 - p0);
-    if (pull) {
-      const T* K[KEY_CHUNK];
-      const T* V[KEY_CHUNK];
-      kv_rows(kc, a.k_s0, w.kv0 * a.k_s1, bt, bs, p0, n, K);
-      kv_rows(vc, a.v_s0, w.kv0 * a.v_s1, bt, bs, p0, n, V);
-      pull_slots(K, V, n, static_cast<int64_t>((w.kv1 - w.kv0) * D * sizeof(T)));
-    }
+    const T* Kslot[KEY_CHUNK];  // the chunk's K / V rows of kv head kv0; head g's are (g - kv0) head strides on
+    const T* Vslot[KEY_CHUNK];
+    kv_rows(kc, a.k_s0, w.kv0 * a.k_s1, bt, bs, p0, n, Kslot);
+    kv_rows(vc, a.v_s0, w.kv0 * a.v_s1, bt, bs, p0, n, Vslot);
+    if (pull) pull_slots(Kslot, Vslot, n, static_cast<int64_t>((w.kv1 - w.kv0) * D * sizeof(T)));
     for (int64_t g = w.kv0; g < w.kv1; ++g) {
       // The rows of kv head g over keys p0 .. p0 + n - 1, K and V rows given as float32 or bfloat16 pointers.
       auto attend_head = [&](const auto* const* K, const auto* const* V) {
@@ -212,8 +210,7 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
       };
       const T* K[KEY_CHUNK];
       const T* V[KEY_CHUNK];
-      kv_rows(kc, a.k_s0, g * a.k_s1, bt, bs, p0, n, K);
-      kv_rows(vc, a.v_s0, g * a.v_s1, bt, bs, p0, n, V);
+      for (int64_t j = 0; j < n; ++j) K[j] = Kslot[j] + (g - w.kv0) * a.k_s1, V[j] = Vslot[j] + (g - w.kv0) * a.v_s1;
       if constexpr (!std::is_same_v<T, float>) {
         if (widen) {
           const float* Kf[KEY_CHUNK];

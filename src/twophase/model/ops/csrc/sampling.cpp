@@ -21,6 +21,21 @@ struct Entry {
   float logit, weight;
 };
 
+#ifdef __AVX2__
+// lo, hi += the low and high halves of x, widened to float64.
+inline void add_f64(__m256d& lo, __m256d& hi, __m256 x) {
+  lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(x)));
+  hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(x, 1)));
+}
+
+// The sum of lo's and hi's lanes.
+inline double hsum_f64(__m256d lo, __m256d hi) {
+  alignas(32) double lanes[4];
+  _mm256_store_pd(lanes, _mm256_add_pd(lo, hi));
+  return lanes[0] + lanes[1] + lanes[2] + lanes[3];
+}
+#endif
+
 // w[i] = exp(row[i] - max) (0 for -inf) for a row without NaN and with a finite max; returns the float64 total,
 // or 0 when the row is to be left alone (NaN, no finite max).
 double weigh_row(const float* row, int64_t n, float* w) {
@@ -33,9 +48,7 @@ double weigh_row(const float* row, int64_t n, float* w) {
     const __m256 x = _mm256_loadu_ps(row + j);
     mv = _mm256_max_ps(mv, x), unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
   }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, mv);
-  for (float v : lanes) mx = std::max(mx, v);
+  mx = hmax(mv);
   nan = _mm256_movemask_ps(unordered) != 0;
 #endif
   for (; j < n; ++j) mx = std::max(mx, row[j]), nan |= std::isnan(row[j]);
@@ -50,12 +63,9 @@ double weigh_row(const float* row, int64_t n, float* w) {
     // exp256 clamps far below the max to exp(-87); a -inf logit weighs exactly 0
     const __m256 e = _mm256_andnot_ps(_mm256_cmp_ps(x, neg_inf, _CMP_EQ_OQ), exp256(_mm256_sub_ps(x, m)));
     _mm256_storeu_ps(w + i, e);
-    t0 = _mm256_add_pd(t0, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-    t1 = _mm256_add_pd(t1, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    add_f64(t0, t1, e);
   }
-  alignas(32) double parts[4];
-  _mm256_store_pd(parts, _mm256_add_pd(t0, t1));
-  total = parts[0] + parts[1] + parts[2] + parts[3];
+  total = hsum_f64(t0, t1);
 #endif
   for (; i < n; ++i) w[i] = row[i] == kNegInf ? 0.f : std::exp(row[i] - mx), total += w[i];
   return total;
@@ -115,15 +125,10 @@ std::pair<double, double> masses_outside(const float* row, const float* w, int64
     const __m256 x = _mm256_loadu_ps(row + i), e = _mm256_loadu_ps(w + i);
     const __m256 over = _mm256_and_ps(_mm256_cmp_ps(x, h, _CMP_GT_OQ), e);
     const __m256 from_lo = _mm256_and_ps(_mm256_cmp_ps(x, l, _CMP_GE_OQ), e);
-    a0 = _mm256_add_pd(a0, _mm256_cvtps_pd(_mm256_castps256_ps128(over)));
-    a1 = _mm256_add_pd(a1, _mm256_cvtps_pd(_mm256_extractf128_ps(over, 1)));
-    f0 = _mm256_add_pd(f0, _mm256_cvtps_pd(_mm256_castps256_ps128(from_lo)));
-    f1 = _mm256_add_pd(f1, _mm256_cvtps_pd(_mm256_extractf128_ps(from_lo, 1)));
+    add_f64(a0, a1, over);
+    add_f64(f0, f1, from_lo);
   }
-  alignas(32) double pa[4], pf[4];
-  _mm256_store_pd(pa, _mm256_add_pd(a0, a1));
-  _mm256_store_pd(pf, _mm256_add_pd(f0, f1));
-  above = pa[0] + pa[1] + pa[2] + pa[3], from = pf[0] + pf[1] + pf[2] + pf[3];
+  above = hsum_f64(a0, a1), from = hsum_f64(f0, f1);
 #endif
   for (; i < n; ++i) above += row[i] > hi ? w[i] : 0.f, from += row[i] >= lo ? w[i] : 0.f;
   return {above, from};
