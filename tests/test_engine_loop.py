@@ -56,6 +56,7 @@ def test_async_engine_serves_long_prompt_and_sleeps_when_idle(unchunked_llm):
         before = calls["n"]
         time.sleep(0.5)
         assert calls["n"] - before == 0, "the idle loop must sleep, not poll"
+        assert engine.model_runner.kv_prefaulter.done  # idle: the KV cache's pages were mapped first
         assert time.monotonic() - llm.last_loop_time < 0.1  # a parked loop is not stale for /ready
     finally:
         llm.shutdown()

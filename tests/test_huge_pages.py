@@ -8,12 +8,24 @@ import sys
 import pytest
 import torch
 
-from twophase.model.ops.huge_pages import ALIGN, HUGE_PAGE, MIN_BYTES, HugePageArena
+from twophase.model.ops.huge_pages import ALIGN, HUGE_PAGE, MIN_BYTES, PAGE, HugePageArena, Prefaulter
 
 linux_only = pytest.mark.skipif(
     not sys.platform.startswith("linux") or not os.path.isdir("/sys/kernel/mm/transparent_hugepage"),
     reason="needs Linux with transparent huge pages (madvise is Linux's)",
 )
+
+
+def _resident_pages(t: torch.Tensor) -> int:
+    """How many of ``t``'s 4 KiB pages are mapped (libc ``mincore``); ``t`` starts on a page."""
+    import ctypes
+
+    assert t.data_ptr() % PAGE == 0
+    n = -(-t.nbytes // PAGE)
+    vec = (ctypes.c_ubyte * n)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    assert libc.mincore(ctypes.c_void_p(t.data_ptr()), ctypes.c_size_t(t.nbytes), vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec)
 
 
 def _vm_flags(address: int) -> set[str]:
@@ -88,3 +100,28 @@ def test_the_default_model_streams_its_weights_and_cache_from_huge_pages(default
     assert all(arena().holds(m.panels) for m in layers)
     k, v = llm.engine.model_runner.kv_caches[0]
     assert arena().holds(k) and arena().holds(v)
+
+
+@linux_only
+def test_prefaulter_maps_pages_ahead_without_changing_them() -> None:
+    """Offset-major: a 2 MiB step maps the first 2 MiB of the first tensor only; walked to the end, every page of
+    both tensors is mapped and the bytes written before (and the zeros never written) are what they were."""
+    import mmap
+
+    maps = [mmap.mmap(-1, 6 << 20) for _ in range(2)]  # fresh anonymous memory: no page mapped yet
+    k, v = (torch.frombuffer(m, dtype=torch.uint8) for m in maps)
+    assert _resident_pages(k) == 0 and _resident_pages(v) == 0
+    k[: 3 << 20].fill_(7)  # written before: the first two huge pages (of three)
+    pre = Prefaulter([k, v], step_bytes=HUGE_PAGE)
+    if pre.done:
+        pytest.skip("no MADV_POPULATE_WRITE here (Linux < 5.14)")
+    assert pre.step()
+    if pre.done:
+        pytest.skip("MADV_POPULATE_WRITE refused here")
+    assert _resident_pages(v) == 0  # k's first 2 MiB came first
+    while pre.step():
+        pass
+    assert pre.done and not pre.step()
+    assert _resident_pages(k) == k.nbytes // PAGE and _resident_pages(v) == v.nbytes // PAGE
+    assert int(k[: 3 << 20].sum()) == 7 * (3 << 20) and int(k[3 << 20 :].sum()) == 0 and int(v.sum()) == 0
+    del k, v

@@ -258,6 +258,25 @@ def test_paged_attention_rows_do_not_depend_on_the_batch(cache_dtype: torch.dtyp
         assert torch.equal(alone, together[row]), f"request {r}"
 
 
+def test_paged_attention_reads_q_rows_in_place() -> None:
+    """q as the query part of a fused [T, (H + 2 KVH) * D] projection (rows further apart than H * D) gives the
+    contiguous q's output bit for bit; q whose heads are not contiguous within a token is refused."""
+    q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(torch.float32, 16, seed=5, extra_decodes=_many_decodes(),
+                                                          dim=64)
+    T, H, D = q.shape
+    fused = torch.randn(T, (H + 4) * D)
+    fused[:, : H * D] = q.reshape(T, H * D)
+    strided = fused[:, : H * D].view(T, H, D)
+    assert not strided.is_contiguous()
+    expected, out = torch.empty_like(q), torch.empty_like(q)
+    K.paged_attention(expected, q, kc, vc, tables, seq_lens, qsl, 16, scale)
+    K.paged_attention(out, strided, kc, vc, tables, seq_lens, qsl, 16, scale)
+    assert torch.equal(out, expected)
+    with pytest.raises(RuntimeError, match="heads must be contiguous"):
+        K.paged_attention(out, q.transpose(0, 1).contiguous().transpose(0, 1), kc, vc, tables, seq_lens, qsl, 16,
+                          scale)
+
+
 def test_paged_attention_bf16_q_out() -> None:
     q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(torch.bfloat16, 16, seed=3)
     qb = q.bfloat16()

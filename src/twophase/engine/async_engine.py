@@ -152,7 +152,8 @@ class AsyncLLM:
                 self._beat_time = time.monotonic()
                 self._apply_commands()
                 if not self.engine.has_unfinished_requests() or not self._step_once():
-                    self._sleep_until_woken()
+                    if not self.engine.idle_work():  # else: check for commands again after a short piece
+                        self._sleep_until_woken()
             self._abort_all()
         except BaseException as exc:  # noqa: BLE001 — surfaced to every waiting stream
             logger.exception("engine loop failed")

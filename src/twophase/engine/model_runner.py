@@ -19,7 +19,7 @@ from twophase.config import CacheConfig, ModelConfig
 from twophase.engine import hardware
 from twophase.engine.input_batch import InputBatch, build_input_batch
 from twophase.model.attention import make_attention_backend
-from twophase.model.ops.huge_pages import arena
+from twophase.model.ops.huge_pages import Prefaulter, arena
 from twophase.model.registry import build_model
 from twophase.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from twophase.sample import Sampler, SamplingState
@@ -116,6 +116,7 @@ class ModelRunner:
             parallelize(self.model, tp)
             self.num_blocks = tp.agree(self.num_blocks)  # rank 0's count: the same block ids on every rank
         self.kv_caches = self._allocate_kv_caches()
+        self.kv_prefaulter = Prefaulter([t for pair in self.kv_caches for t in pair])  # CPU caches only
         self.sampler = Sampler(model_config.vocab_size, device=device, seed=seed)
         self.requests: dict[str, _RequestState] = {}
 
@@ -179,6 +180,11 @@ class ModelRunner:
             return torch.empty(shape, dtype=self.cache_dtype, device=self.device)
 
         return [(empty(), empty()) for _ in range(self.model_config.num_hidden_layers)]
+
+    def prefault_kv_cache(self) -> bool:
+        """Map one more slice of the KV cache's pages ahead of their first write (CPU; see ``Prefaulter``); False
+        when nothing is left to map."""
+        return self.kv_prefaulter.step()
 
     @property
     def kv_cache_bytes(self) -> int:

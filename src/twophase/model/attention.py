@@ -188,8 +188,10 @@ class KernelPagedAttention:
     def attend(self, q, k_cache, v_cache, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, H, D] over the cache (this step's K/V already written) → [T, H, D]."""
         out = torch.empty(q.shape, dtype=q.dtype)
+        if q.stride(2) != 1 or q.stride(1) != q.shape[2]:  # the kernel reads rows in place, heads packed within one
+            q = q.contiguous()
         self.kernels.paged_attention(
-            out, q.contiguous(), k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
+            out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
             meta.block_size, self.scale,
         )  # fmt: skip
         return out

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 import os
 import signal
@@ -78,6 +79,10 @@ def run_server(args: argparse.Namespace) -> int:
         engine.kv_connector.attach(llm.call_in_loop)
     llm.start()
     app = build_app(llm, settings)
+    # What start-up made (the model's modules, the tokenizer, the app) lives as long as the server: leave it out of
+    # the collector's full passes, which otherwise walk it again and again as streamed chunks come and go.
+    gc.collect()
+    gc.freeze()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=args.access_log)
     server = GracefulServer(config)

@@ -11,6 +11,12 @@ Tensors are carved out of large chunks (a bump allocator), each chunk aligned to
 ``MADV_HUGEPAGE`` before its pages are first touched, so no tensor pads to a page of its own. A chunk lives as long
 as any tensor cut from it. Where ``madvise`` is missing (not Linux), the device is not a CPU, a tensor is small, or
 ``TWOPHASE_HUGE_PAGES=0`` is set, allocation is plain ``torch.empty`` and nothing else changes.
+
+The KV cache is allocated untouched (no start-up time), so its pages are mapped when a step first writes them: on
+the 2-core VM, 1.0 s per GiB of fresh huge pages (0.39 s in 4 KiB pages; 0.07 s to write the same GiB once
+mapped). ``Prefaulter`` maps them ahead, a slice per call, without writing them (``MADV_POPULATE_WRITE``): the
+served engine calls it while it has nothing to run (``LLMEngine.idle_work``), so requests after an idle start find
+their blocks' pages mapped.
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ import sys
 import torch
 
 MADV_HUGEPAGE = 14  # <sys/mman.h> on Linux
+MADV_POPULATE_WRITE = 23  # Linux 5.14+: map pages as a write would, leaving their contents alone
+PAGE = 4096
 HUGE_PAGE = 2 << 20
 CHUNK_BYTES = 64 << 20  # a tensor larger than this gets a chunk of its own size
 MIN_BYTES = 64 << 10  # smaller tensors (norms, biases, small scale tables) stay where they are; a Q4_1 576 x 576
@@ -30,8 +38,15 @@ ALIGN = 64  # bytes: a cache line, what torch's CPU allocator gives too
 
 
 def _madvise():
-    """libc's ``madvise`` (argument types set), or None where there is none to call."""
-    if not sys.platform.startswith("linux") or os.environ.get("TWOPHASE_HUGE_PAGES", "1") == "0":
+    """libc's ``madvise`` for huge pages, or None where there is none to call or ``TWOPHASE_HUGE_PAGES=0``."""
+    if os.environ.get("TWOPHASE_HUGE_PAGES", "1") == "0":
+        return None
+    return _libc_madvise()
+
+
+def _libc_madvise():
+    """libc's ``madvise`` (argument types set), or None where there is none to call (not Linux)."""
+    if not sys.platform.startswith("linux"):
         return None
     try:
         fn = ctypes.CDLL(None, use_errno=True).madvise
@@ -89,6 +104,48 @@ class HugePageArena:
             self.madvise = None
         self.chunk, self.offset = chunk, 0
         self.ranges.append((chunk.data_ptr(), chunk.data_ptr() + nbytes))
+
+
+class Prefaulter:
+    """Maps the pages of untouched CPU tensors ahead of their first write, ``step_bytes`` per ``step()``, without
+    changing a byte (``MADV_POPULATE_WRITE``), so it may run while the tensors are in use.
+
+    The tensors are walked offset-major: the first 2 MiB of each, then the next 2 MiB of each, and so on — a KV
+    cache's layers in the order its blocks are handed out (block 0 first). A kernel without the advice (before Linux
+    5.14), or any other failure, ends the walk: pages are then mapped by their first write, as without it.
+    """
+
+    def __init__(self, tensors: list[torch.Tensor], step_bytes: int = 16 << 20) -> None:
+        self.madvise = _libc_madvise()
+        self.ranges = [(t.data_ptr(), t.nbytes) for t in tensors if t.device.type == "cpu" and t.nbytes > 0]
+        self.step_bytes = max(HUGE_PAGE, step_bytes)
+        self.offset = 0  # bytes into every tensor below which all are mapped ...
+        self.index = 0  # ... and tensors [0, index) mapped up to offset + HUGE_PAGE
+
+    @property
+    def done(self) -> bool:
+        """Whether nothing is left to map (or mapping ahead is not possible here)."""
+        return self.madvise is None or not self.ranges or self.offset >= max(n for _, n in self.ranges)
+
+    def step(self) -> bool:
+        """Map up to ``step_bytes`` more (a 2 MiB slice of one tensor at a time); False when there was nothing to do."""
+        if self.done:
+            return False
+        mapped = 0
+        while mapped < self.step_bytes and not self.done:
+            start, nbytes = self.ranges[self.index]
+            if self.offset < nbytes:
+                mapped += self._populate(start + self.offset, min(HUGE_PAGE, nbytes - self.offset))
+            self.index += 1
+            if self.index == len(self.ranges):
+                self.index, self.offset = 0, self.offset + HUGE_PAGE
+        return True
+
+    def _populate(self, address: int, nbytes: int) -> int:
+        lo, hi = address // PAGE * PAGE, -(-(address + nbytes) // PAGE) * PAGE  # whole pages, all mapped already
+        if self.madvise is not None and self.madvise(lo, hi - lo, MADV_POPULATE_WRITE) != 0:
+            self.madvise = None  # unsupported here: first writes map the rest
+        return hi - lo
 
 
 _ARENA: HugePageArena | None = None

@@ -29,7 +29,7 @@ struct WorkItem {
 
 struct Args {
   int64_t H, KVH, D, groups, block_size, max_blocks;
-  int64_t q_s0, k_s0, k_s1, v_s0, v_s1;  // element strides: q/out token; cache slot and head
+  int64_t q_s0, o_s0, k_s0, k_s1, v_s0, v_s1;  // element strides: q token, out token; cache slot and head
   float scale;
   const int32_t *block_tables, *seq_lens, *qsl;
 };
@@ -228,7 +228,7 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
   for (int64_t rr = 0; rr < rows; ++rr) {
     float* acc = sc.acc.data() + rr * D;
     scale_f32(acc, sc.l[rr] > 0.f ? 1.f / sc.l[rr] : 0.f, D);
-    convert(out + (tok0 + query_of(rr)) * a.q_s0 + head_of(rr) * D, acc, D);
+    convert(out + (tok0 + query_of(rr)) * a.o_s0 + head_of(rr) * D, acc, D);
   }
 }
 
@@ -243,12 +243,15 @@ void run_items(const Args& a, const std::vector<WorkItem>& items, const QT* q, Q
 
 }  // namespace
 
-// out[T,H,D] = causal varlen attention of q[T,H,D] over the paged cache; see extension.py for the contract.
+// out[T,H,D] = causal varlen attention of q[T,H,D] over the paged cache; see extension.py for the contract. q may be
+// a view with rows further apart (the query part of a fused [T, (H + 2 KVH) * D] projection, read in place).
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables_in,
                      const at::Tensor& seq_lens_in, const at::Tensor& qsl_in, int64_t block_size, double scale) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, H, D] of equal shape");
-  TORCH_CHECK(q.is_contiguous() && out.is_contiguous(), "q and out must be contiguous");
+  TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
+  TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2),
+              "q's heads must be contiguous within a token (rows may be strided)");
   TORCH_CHECK(q.scalar_type() == out.scalar_type(), "q and out must share a dtype");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "caches must be [S, KVH, D]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k/v caches must share a dtype");
@@ -265,7 +268,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   auto qsl = qsl_in.to(at::kInt).contiguous();
   const int64_t R = sl.size(0);
   TORCH_CHECK(bt.dim() == 2 && bt.size(0) >= R && qsl.size(0) == R + 1, "block_tables [R, B], query_start_loc [R+1]");
-  Args a{H, KVH, q.size(2), H / KVH, block_size, bt.size(1), H * q.size(2),
+  Args a{H, KVH, q.size(2), H / KVH, block_size, bt.size(1), q.stride(0), H * q.size(2),
          k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
          static_cast<float>(scale), bt.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), qsl.data_ptr<int32_t>()};
   int64_t short_requests = 0;

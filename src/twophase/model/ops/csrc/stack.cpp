@@ -62,8 +62,9 @@ at::Tensor DecoderStack::forward(at::Tensor residual, const at::Tensor& position
     const StackLayer& layer = layers_[i];
     at::Tensor qkv = layer.qkv(h);  // [T, (H + 2 KVH) * D]
     tp::rotary_cache_(qkv, positions, cos_, sin_, k_caches_[i], v_caches_[i], slots, heads_, kv_heads_);
-    at::Tensor q = qkv.narrow(1, 0, q_size).contiguous().view({T, heads_, head_dim_});  // rotated
-    at::Tensor attn = at::empty_like(q);  // [T, H, D]
+    // q [T, H, D]: the rotated query part of qkv, read in place (a copy was a serial pass over fresh pages)
+    const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads_, head_dim_});
+    at::Tensor attn = at::empty({T, heads_, head_dim_}, qkv.options());
     tp::paged_attention(attn, q, k_caches_[i], v_caches_[i], block_tables, seq_lens, query_start_loc, block_size,
                     scale);
     h = layer.o(attn.view({T, q_size}));  // [T, hidden]
