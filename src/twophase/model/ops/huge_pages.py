@@ -117,28 +117,33 @@ class Prefaulter:
 
     def __init__(self, tensors: list[torch.Tensor], step_bytes: int = 16 << 20) -> None:
         self.madvise = _libc_madvise()
-        self.ranges = [(t.data_ptr(), t.nbytes) for t in tensors if t.device.type == "cpu" and t.nbytes > 0]
+        ranges = [(t.data_ptr(), t.nbytes) for t in tensors if t.device.type == "cpu" and t.nbytes > 0]
         self.step_bytes = max(HUGE_PAGE, step_bytes)
-        self.offset = 0  # bytes into every tensor below which all are mapped ...
-        self.index = 0  # ... and tensors [0, index) mapped up to offset + HUGE_PAGE
+        self.slices = self._slices(ranges)  # (address, bytes) still to map, in order
+        self.next = next(self.slices, None)
+
+    @staticmethod
+    def _slices(ranges: list[tuple[int, int]]):
+        """Every tensor's 2 MiB slices, offset-major: the first 2 MiB of each tensor, then the next of each, ..."""
+        longest = max((n for _, n in ranges), default=0)
+        for offset in range(0, longest, HUGE_PAGE):
+            for start, nbytes in ranges:
+                if offset < nbytes:
+                    yield start + offset, min(HUGE_PAGE, nbytes - offset)
 
     @property
     def done(self) -> bool:
         """Whether nothing is left to map (or mapping ahead is not possible here)."""
-        return self.madvise is None or not self.ranges or self.offset >= max(n for _, n in self.ranges)
+        return self.madvise is None or self.next is None
 
     def step(self) -> bool:
-        """Map up to ``step_bytes`` more (a 2 MiB slice of one tensor at a time); False when there was nothing to do."""
+        """Map up to ``step_bytes`` more (2 MiB slices); False when there was nothing to do."""
         if self.done:
             return False
         mapped = 0
         while mapped < self.step_bytes and not self.done:
-            start, nbytes = self.ranges[self.index]
-            if self.offset < nbytes:
-                mapped += self._populate(start + self.offset, min(HUGE_PAGE, nbytes - self.offset))
-            self.index += 1
-            if self.index == len(self.ranges):
-                self.index, self.offset = 0, self.offset + HUGE_PAGE
+            mapped += self._populate(*self.next)
+            self.next = next(self.slices, None)
         return True
 
     def _populate(self, address: int, nbytes: int) -> int:
