@@ -56,6 +56,29 @@ def test_a_command_imports_only_the_modules_it_needs():
     assert result.returncode == 0, result.stderr[-2000:]
 
 
+def test_start_up_runs_without_the_collector_and_leaves_it_on(tiny_llama_dir):
+    """Importing and building the engine make no collector pass (each walks every object start-up made); afterwards
+    the collector is on again, with start-up's objects frozen out of its passes."""
+    script = (
+        "import gc, sys\n"
+        "from twophase import cli\n"
+        "cli.FREEZE_START_UP = True  # as the console entry point sets it\n"
+        "passes = []\n"
+        "gc.callbacks.append(lambda phase, info: phase == 'start' and passes.append(info['generation']))\n"
+        "with cli.collector_paused():\n"
+        "    args = cli.build_parser(['generate', 'hi']).parse_args(['generate', '--model', sys.argv[1], 'hi'])\n"
+        "    llm = cli.load_llm(args)\n"
+        "    assert not gc.isenabled()\n"
+        "assert passes == [], passes\n"
+        "assert gc.isenabled() and gc.get_freeze_count() > 10000, gc.get_freeze_count()\n"
+        "gc.collect()\n"
+        "assert passes[-1] == 2, passes\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script, str(tiny_llama_dir)], capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def test_one_shot_commands_exit_fast_only_when_nothing_is_left_running():
     """The early exit skips the interpreter's teardown; it must not cut off a thread that is still working."""
     import threading
