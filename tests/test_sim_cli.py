@@ -68,6 +68,32 @@ def test_sim_sweep_picks_a_passing_configuration(step_model, tiny_llama_dir, cap
     assert "Most goodput at >= 90% attainment: budget=" in text
 
 
+def test_sim_sweep_margin_drops_configurations_that_need_an_exact_model(step_model, tiny_llama_dir, tmp_path, capsys):
+    argv = ["sim", "--model", str(tiny_llama_dir), "--step-time-model", str(step_model), "--block-size", "4",
+            "--num-prompts", "8", "--random-input-len", "20", "--random-output-len", "4", "--request-rate", "50",
+            "--goodput", "ttft:1000", "--sweep", "budget=16,48", "--save-result", "--result-dir", str(tmp_path),
+            "--result-filename", "sweep.json"]  # fmt: skip
+    assert main(argv) == 0
+    assert "Most goodput at >= 90% attainment: budget=" in capsys.readouterr().out
+    assert main([*argv, "--sweep-margin", "1000"]) == 0  # every step 1,001x longer: TTFTs of seconds
+    text = capsys.readouterr().out
+    assert "margin%" in text and "(also with steps 100000% longer): none" in text
+    points = json.loads((tmp_path / "sweep.json").read_text())["points"]
+    assert all(p["slo_attainment"]["all"] >= 0.9 > p["slo_attainment_margin"]["all"] for p in points)
+
+
+def test_best_goodput_needs_the_floor_with_and_without_the_margin():
+    from twophase.sim.cli import best_goodput
+
+    fragile = {"config": {"rate": 2}, "request_goodput": 2.0, "slo_attainment": {"all": 0.95},
+               "slo_attainment_margin": {"all": 0.5}}  # fmt: skip
+    robust = {"config": {"rate": 1}, "request_goodput": 1.0, "slo_attainment": {"all": 1.0},
+              "slo_attainment_margin": {"all": 0.92}}  # fmt: skip
+    assert best_goodput([fragile, robust], 0.9) is robust
+    unchecked = [{k: v for k, v in p.items() if k != "slo_attainment_margin"} for p in (fragile, robust)]
+    assert best_goodput(unchecked, 0.9)["config"] == {"rate": 2}
+
+
 @pytest.mark.parametrize("argv, message", [
     (["sim"], "needs --step-time-model"),
     (["sim", "--step-time-model", "x.json", "--sweep", "speed=1"], "--sweep takes KEY="),
@@ -76,6 +102,8 @@ def test_sim_sweep_picks_a_passing_configuration(step_model, tiny_llama_dir, cap
     (["sim", "--step-time-model", "x.json", "--goodput", "ttfx:1"], "invalid SLO name"),
     (["sim", "--step-time-model", "x.json", "--goodput", "ttft:1", "--sweep", "budget=big"], "numbers or auto"),
     (["sim", "--step-time-model", "x.json", "--goodput", "ttft:1", "--sweep", "budget=auto"], "needs --slo-itl-ms"),
+    (["sim", "--step-time-model", "x.json", "--goodput", "ttft:1", "--sweep", "budget=8", "--sweep-margin", "-1"],
+     "--sweep-margin must be at least 0"),
     (["serve", "--step-budget", "auto"], "--step-budget auto needs --slo-itl-ms"),
     (["serve", "--slo-itl-headroom", "0"], "--slo-itl-headroom must be in (0, 1]"),
     (["sim", "--step-time-model", "x.json", "--step-time-quantile", "2"], "--step-time-quantile must be in (0, 1]"),
