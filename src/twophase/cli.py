@@ -14,8 +14,12 @@ import multiprocessing
 import os
 import sys
 import threading
+from typing import TYPE_CHECKING
 
 from twophase.sampling_params import InvalidRequestError, SamplingParams
+
+if TYPE_CHECKING:
+    from twophase.engine.llm import LLM
 
 # modules that add their own subcommands (each defines register(subparsers)), with the subcommands they add: a
 # command line naming one of them imports only its module, one naming a command of this file none of them (the
@@ -230,7 +234,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
     return 0
 
 
-def load_llm(args: argparse.Namespace):
+def load_llm(args: argparse.Namespace) -> LLM:
     """The ``LLM`` of the command line's engine options, imported and built with the collector paused."""
     with collector_paused():
         from twophase.engine.llm import LLM
