@@ -238,7 +238,7 @@ def make_profile(args: argparse.Namespace) -> Profile:
         profile.seconds = args.seconds
     if args.sweep_load:
         profile.sweep_loads = tuple(float(v) for v in args.sweep_load.split(","))
-    profile.sweep_margin = args.sweep_margin or 0.0
+    profile.sweep_margin = args.sweep_margin
     if args.measured_repeats < 1:
         raise ValueError(f"--measured-repeats must be at least 1, got {args.measured_repeats}")
     profile.measured_repeats = args.measured_repeats
@@ -821,14 +821,17 @@ def sweep_verdicts(points: list[dict[str, Any]], picked: dict[str, Any] | None) 
     """The issue's check (``pass``: the pick's measured goodput within 5% of the best measured one's) and a stricter
     one (``pass_admissible``: the pick also reaches the attainment floor measured, and is within 5% of the best
     measured configuration that does)."""
-    from twophase.sim.cli import best_goodput
+    def attains(p: dict[str, Any]) -> bool:
+        return p["measured"]["slo_attainment"]["all"] >= SWEEP_ATTAINMENT
 
-    best = max(points, key=lambda p: p["measured_goodput"])
-    admissible = best_goodput([{**p["measured"], "config": p["config"]} for p in points], SWEEP_ATTAINMENT)
-    admissible_point = admissible and next(p for p in points if p["config"] == admissible["config"])
+    def goodput(p: dict[str, Any]) -> float:
+        return p["measured_goodput"]
+
+    best = max(points, key=goodput)
+    admissible = max(filter(attains, points), key=goodput, default=None)
     chosen = next((p for p in points if p["config"] == picked), None)
-    ratio, ratio_at_floor = goodput_ratio(chosen, best), goodput_ratio(chosen, admissible_point)
-    pick_attains = chosen is not None and chosen["measured"]["slo_attainment"]["all"] >= SWEEP_ATTAINMENT
+    ratio, ratio_at_floor = goodput_ratio(chosen, best), goodput_ratio(chosen, admissible)
+    pick_attains = chosen is not None and attains(chosen)
     return {"best_measured": best["config"], "best_measured_at_floor": admissible and admissible["config"],
             "pick_over_best": ratio, "pick_over_best_at_floor": ratio_at_floor, "pick_attains": pick_attains,
             "pass": ratio is not None and ratio >= 1 - SWEEP_PICK_TOLERANCE,
@@ -1088,7 +1091,6 @@ def _verdict(passed: bool | None) -> str:
     return "pass" if passed else "FAIL"
 
 
-
 def auto_markdown(auto: dict[str, Any]) -> list[str]:
     """Medians per configuration and the verdict."""
     keys = ["goodput", "attain_ttft", "attain_itl", "attain_all", "streams_itl", "long_ttft", "p99_itl_ms",
@@ -1169,7 +1171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="accuracy: warm-up burst per server before its first point (0: none)")
     p.add_argument("--sweep-load", default=None,
                    help="sweep: fractions of the workload's capacity, its rate axis (default 0.4,0.55)")
-    p.add_argument("--sweep-margin", type=float, default=None, metavar="F",
+    p.add_argument("--sweep-margin", type=float, default=0.0, metavar="F",
                    help="sweep: the simulator's pick must keep its attainment with steps F longer (twophase sim "
                    "--sweep-margin; default 0)")  # fmt: skip
     p.add_argument("--runs", type=int, default=None, help="auto test: interleaved runs per configuration")

@@ -62,11 +62,11 @@ def test_start_up_runs_without_the_collector_and_leaves_it_on(tiny_llama_dir):
     script = (
         "import gc, sys\n"
         "from twophase import cli\n"
-        "cli.FREEZE_START_UP = True  # as the console entry point sets it\n"
         "passes = []\n"
         "gc.callbacks.append(lambda phase, info: phase == 'start' and passes.append(info['generation']))\n"
-        "with cli.collector_paused():\n"
+        "with cli.collector_paused(freeze=True):  # as the console entry point runs a command\n"
         "    args = cli.build_parser(['generate', 'hi']).parse_args(['generate', '--model', sys.argv[1], 'hi'])\n"
+        "    args.own_process = True\n"
         "    llm = cli.load_llm(args)\n"
         "    assert not gc.isenabled()\n"
         "assert passes == [], passes\n"

@@ -167,24 +167,21 @@ def sampling_params_from_args(args: argparse.Namespace) -> SamplingParams:
     )  # fmt: skip
 
 
-# set by the console entry point (one command per process): what start-up made is then frozen (collector_paused)
-FREEZE_START_UP = False
-
-
 @contextlib.contextmanager
-def collector_paused():
+def collector_paused(freeze: bool = False):
     """Start-up without the cyclic garbage collector. Importing torch and building an engine make ~190,000
     long-lived objects, which the collector's passes walk again and again: 3 full and 42 middle passes, ~0.4 s of
     ``twophase generate --max-tokens 8 "Hi"`` (measured on a 2-core machine). On leaving, the collector is on again
-    if it was. In a process of one command (``FREEZE_START_UP``) what start-up made is frozen first, left out of
-    every later pass: re-enabled alone, the collector's next passes walk all of it once more (~0.2 s measured). A
-    longer-lived caller of ``main`` (tests) does not freeze: cyclic garbage present at that moment would stay."""
+    if it was. ``freeze`` (a process of one command: the console entry point) first freezes what start-up made,
+    leaving it out of every later pass: re-enabled alone, the collector's next passes walk all of it once more
+    (~0.2 s measured). A longer-lived caller of ``main`` (tests) does not freeze: cyclic garbage present at that
+    moment would stay."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
-        if FREEZE_START_UP:
+        if freeze:
             gc.freeze()
         if enabled:
             gc.enable()
@@ -236,7 +233,7 @@ def cmd_pull(args: argparse.Namespace) -> int:
 
 def load_llm(args: argparse.Namespace) -> LLM:
     """The ``LLM`` of the command line's engine options, imported and built with the collector paused."""
-    with collector_paused():
+    with collector_paused(freeze=args.own_process):
         from twophase.engine.llm import LLM
 
         return LLM.from_engine_config(engine_config_from_args(args))
@@ -300,11 +297,13 @@ def _spec_summary(m) -> str:
     return f" | spec acceptance {m.acceptance_rate:.0%} (mean accepted length {m.mean_accepted_length:.2f})"
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point: run a command, turning expected errors into one line."""
+def main(argv: list[str] | None = None, own_process: bool = False) -> int:
+    """Entry point: run a command, turning expected errors into one line. ``own_process``: nothing else runs in this
+    process (the console entry point), so what start-up makes may be frozen (``collector_paused``)."""
     argv = sys.argv[1:] if argv is None else argv
-    with collector_paused():  # the command's modules, torch among them
+    with collector_paused(freeze=own_process):  # the command's modules, torch among them
         args = build_parser(argv).parse_args(argv)
+    args.own_process = own_process
     try:
         if hasattr(args, "tensor_parallel_size"):
             worker_status = _run_worker_host(args)
@@ -350,10 +349,8 @@ def run() -> None:
     non-daemon thread left exits at once after flushing its output: the interpreter's teardown of torch's modules
     and the weights alone takes about a second on a 2-core machine (measured: 6.2 s -> 5.2 s wall for
     ``twophase generate --max-tokens 8 "Hi"``)."""
-    global FREEZE_START_UP
-    FREEZE_START_UP = True
     argv = sys.argv[1:]
-    status = main(argv)
+    status = main(argv, own_process=True)
     if argv and argv[0] in ONE_SHOT_COMMANDS and _nothing_left_running():
         _exit_now(status)
     sys.exit(status)

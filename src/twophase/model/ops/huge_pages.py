@@ -148,7 +148,7 @@ class Prefaulter:
 
     def _populate(self, address: int, nbytes: int) -> int:
         lo, hi = address // PAGE * PAGE, -(-(address + nbytes) // PAGE) * PAGE  # whole pages, all mapped already
-        if self.madvise is not None and self.madvise(lo, hi - lo, MADV_POPULATE_WRITE) != 0:
+        if self.madvise(lo, hi - lo, MADV_POPULATE_WRITE) != 0:  # step() calls it only while madvise is set
             self.madvise = None  # unsupported here: first writes map the rest
         return hi - lo
 
