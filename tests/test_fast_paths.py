@@ -364,6 +364,26 @@ def test_real_model_agreement_with_float32(default_model, dtype, quantization, c
     assert agreement >= floor
 
 
+@pytest.mark.parametrize("fast_bf16", [False, True])
+def test_auto_dtype_reads_stored_blocks_in_float32(default_model, tiny_llama_dir, monkeypatch, fast_bf16):
+    """--dtype auto: a GGUF whose projections are stored as Q4_1 / Q8_0 runs in float32 on every CPU (the blocks read
+    as stored, exact, fewer bytes than bfloat16's), a safetensors model in bfloat16 where the CPU has bfloat16
+    arithmetic; a quantization other than none keeps the CPU's rule; a named dtype is always kept."""
+    from twophase.config import EngineConfig
+    from twophase.engine import hardware
+    from twophase.loader import open_model_source
+
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: fast_bf16)
+    by_cpu = torch.bfloat16 if fast_bf16 else torch.float32
+    gguf, dense = open_model_source(str(default_model)), open_model_source(str(tiny_llama_dir))
+    assert gguf.stores_native_blocks() and not dense.stores_native_blocks()
+    assert llm_engine.engine_dtype(EngineConfig(model=str(default_model)), gguf) == torch.float32
+    assert llm_engine.engine_dtype(EngineConfig(model=str(tiny_llama_dir)), dense) == by_cpu
+    assert llm_engine.engine_dtype(EngineConfig(model=str(default_model), quantization="int8"), gguf) == by_cpu
+    assert llm_engine.engine_dtype(EngineConfig(model=str(default_model), dtype="bfloat16"), gguf) == torch.bfloat16
+    assert llm_engine.wants_native_weights(EngineConfig(model=str(default_model)), gguf)
+
+
 def test_gguf_weights_run_as_stored(default_model):
     """--quantization gguf keeps SmolLM2's Q4_1 projections and Q8_0 head as stored: dequantising them gives back
     exactly the float32 weights the loader reads (so row order and llama.cpp's q/k permutation are right). The

@@ -11,11 +11,10 @@ import shlex
 import sys
 from pathlib import Path
 
-import torch
-
 from twophase import LLM, SamplingParams
 from twophase.cli import add_engine_arguments, engine_config_from_args
-from twophase.engine.llm_engine import resolve_dtype
+from twophase.engine.llm_engine import engine_dtype
+from twophase.loader import open_model_source
 from twophase.metrics.timeline import request_metrics
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_engine's helpers
@@ -34,8 +33,8 @@ def parse_engine_args(model: str, extra: str) -> argparse.Namespace:
 
 def resolved_dtype(model: str, extra: str) -> str:
     """The torch dtype name the engine will run in ('auto' resolved as the engine does)."""
-    args = parse_engine_args(model, extra)
-    return str(resolve_dtype(args.dtype, torch.device(args.device))).removeprefix("torch.")
+    config = engine_config_from_args(parse_engine_args(model, extra))
+    return str(engine_dtype(config, open_model_source(config.model))).removeprefix("torch.")
 
 
 def bench_engine(model: str, extra: str, shapes: dict, repeats: int) -> dict[str, float]:

@@ -35,7 +35,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", "-m", default=DEFAULT_MODEL, help="store name, HF directory or .gguf path")
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-        help="auto: bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, float32 on other CPUs",
+        help="auto: float32 on CPUs for weights stored in GGUF Q8_0/Q4_1 blocks (run as stored); else "
+             "bfloat16 on CUDA and on CPUs with AVX512-BF16/AMX, float32 on other CPUs",
     )  # fmt: skip
     parser.add_argument(
         "--quantization", "-q", default="none", choices=["none", "int8", "q8_0", "q4_1", "gguf"],

@@ -100,6 +100,10 @@ class SyntheticSource:
 
         return random_weights(self.config, seed=0)
 
+    def stores_native_blocks(self) -> bool:
+        """None stored quantized."""
+        return False
+
     def native_quantized_weights(self) -> dict:
         """None stored quantized."""
         return {}

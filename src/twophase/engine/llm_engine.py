@@ -33,10 +33,14 @@ NATIVE_QUANTIZATIONS = ("gguf", "q8_0", "q4_1")  # formats a GGUF file may store
 log = logging.getLogger(__name__)
 
 
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' → bfloat16 on CUDA and on CPUs with bfloat16 arithmetic (AVX512-BF16 / AMX), float32 on other
-    CPUs (where bfloat16 matmuls are emulated and slower than float32); otherwise the named dtype."""
+def resolve_dtype(name: str, device: torch.device, weights_in_blocks: bool = False) -> torch.dtype:
+    """'auto' → float32 on a CPU when the weights are stored in GGUF blocks that float32 reads as stored
+    (``weights_in_blocks``: Q8_0 / Q4_1, exact, 0.625-1.06 bytes a weight, where bfloat16 would read 2 bytes of
+    rounded values); else bfloat16 on CUDA and on CPUs with bfloat16 arithmetic (AVX512-BF16 / AMX), float32 on
+    other CPUs (where bfloat16 matmuls are emulated and slower than float32); otherwise the named dtype."""
     if name == "auto":
+        if device.type == "cpu" and weights_in_blocks:
+            return torch.float32
         fast_bf16 = device.type == "cuda" or hardware.cpu_has_fast_bf16()
         return torch.bfloat16 if fast_bf16 else torch.float32
     dtypes = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -44,6 +48,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in dtypes:
         raise ValueError(f"unknown dtype {name!r}; choose auto, float32, bfloat16 or float16")
     return dtypes[name]
+
+
+def engine_dtype(config: EngineConfig, source) -> torch.dtype:
+    """The dtype the engine of ``config`` runs ``source`` in (``resolve_dtype`` with what the source stores)."""
+    in_blocks = config.quantization == "none" and source.stores_native_blocks()
+    return resolve_dtype(config.dtype, torch.device(config.device), in_blocks)
 
 
 def build_model_runner(config: EngineConfig, source, tp=None, progress: bool = True) -> ModelRunner:
@@ -57,19 +67,19 @@ def build_model_runner(config: EngineConfig, source, tp=None, progress: bool = T
     max_model_len = min(config.scheduler.max_model_len, source.config.max_position_embeddings)
     return ModelRunner(
         source.config, functools.partial(source.iter_weights, progress=progress), config.cache, max_model_len,
-        resolve_dtype(config.dtype, device), device, seed=config.seed, options=runner_options(config),
-        native_weights=source.native_quantized_weights() if wants_native_weights(config) else None,
+        engine_dtype(config, source), device, seed=config.seed, options=runner_options(config),
+        native_weights=source.native_quantized_weights() if wants_native_weights(config, source) else None,
         tp=tp,
     )  # fmt: skip
 
 
-def wants_native_weights(config: EngineConfig) -> bool:
+def wants_native_weights(config: EngineConfig, source) -> bool:
     """Whether the runner gets a GGUF file's weights as stored: for a block format asked for, and without quantization
     on CPU, where float32 weights stored as Q8_0 / Q4_1 run from their blocks, bit for bit (``BlockPanelLinear``)."""
     if config.quantization in NATIVE_QUANTIZATIONS:
         return True
     device = torch.device(config.device)
-    return config.quantization == "none" and device.type == "cpu" and resolve_dtype(config.dtype, device) == torch.float32
+    return config.quantization == "none" and device.type == "cpu" and engine_dtype(config, source) == torch.float32
 
 
 def start_model_runner(config: EngineConfig, source, progress: bool = True) -> ModelRunner:
@@ -101,7 +111,7 @@ class LLMEngine:
         self.model_config: ModelConfig = source.config
         self.tokenizer = load_tokenizer(source)
         self.device = torch.device(config.device)
-        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.dtype = engine_dtype(config, source)
         max_model_len = min(config.scheduler.max_model_len, self.model_config.max_position_embeddings)
         self.scheduler_config = dataclasses.replace(config.scheduler, max_model_len=max_model_len)
         self.model_runner = start_model_runner(config, source, progress)

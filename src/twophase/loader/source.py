@@ -64,6 +64,11 @@ class ModelSource:
                 bar.update(1)
 
 
+    def stores_native_blocks(self) -> bool:
+        """Whether any 2-D weight is stored in a GGUF block format the kernels execute as stored (q8_0, q4_1)."""
+        return self.reader is not None and any(
+            t.tensor_type.name in gguf_reader.NATIVE_FORMATS and len(t.shape) == 2 for t in self.reader.tensors)
+
     def native_quantized_weights(self) -> dict[str, tuple[str, tuple[torch.Tensor, ...]]]:
         """HF name → (format, tensors) of each weight stored in a GGUF block format the kernels execute as stored
         (q8_0, q4_1); empty for safetensors models."""

@@ -149,16 +149,17 @@ def _engine_shape(config: Any, num_kv_blocks: int | None) -> tuple[int, int]:
     import torch
 
     from twophase.engine import hardware
-    from twophase.engine.llm_engine import resolve_dtype
+    from twophase.engine.llm_engine import engine_dtype
     from twophase.engine.model_runner import kv_bytes_per_block, resolve_cache_dtype
     from twophase.loader import open_model_source
 
-    model_config = open_model_source(config.model).config
+    source = open_model_source(config.model)
+    model_config = source.config
     max_len = min(config.scheduler.max_model_len, model_config.max_position_embeddings)
     if num_kv_blocks:
         return max_len, num_kv_blocks
     device = torch.device(config.device)
-    cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, resolve_dtype(config.dtype, device))
+    cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, engine_dtype(config, source))
     per_block = kv_bytes_per_block(model_config, config.cache.block_size, cache_dtype)
     budget = config.cache.kv_cache_memory_bytes
     if budget is None:
