@@ -125,7 +125,7 @@ def test_float32_gguf_blocks_run_bit_identical(tiny_llama_dir, tmp_path, monkeyp
     assert isinstance(model.logits_head, BlockPanelLinear)
     assert all(isinstance(m, BlockPanelLinear) for layer in model.layers for m in (layer.self_attn.qkv_proj,
                layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))  # fmt: skip
-    monkeypatch.setattr(llm_engine, "wants_native_weights", lambda config: False)  # the weights as float32 only
+    monkeypatch.setattr(llm_engine, "wants_native_weights", lambda config, source: False)  # the weights as float32 only
     panels = make_llm(path, dtype="float32")
     assert isinstance(panels.engine.model_runner.model.logits_head, KernelLinear)
     for ours, theirs in zip(packed_logits(blocks, PROMPTS), packed_logits(panels, PROMPTS)):
