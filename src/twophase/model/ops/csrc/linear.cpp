@@ -328,8 +328,8 @@ struct PanelProblem {
 // One panel's block of 32 k (block_bytes): d [24] float16, (Q4_1: m [24] float16,) then q as [32 k][24 columns]:
 // Q8_0 one int8 each; Q4_1 one byte per column for each pair of k (k even in the low nibble, k + 1 in the high).
 // AVX2 + F16C: Scales(blk) holds a block's d (and m) for the 24 columns as 3 vectors each; pair(blk, sc, k, c) gives the
-// float32 weights of k and k + 1 (k even) at columns 8c .. 8c + 7. widen (the panel into the scratch) and
-// block_row_two_chains (one row, in registers) both use it, so both give the same weights.
+// float32 weights of k and k + 1 (k even) at columns 8c .. 8c + 7 (widen_block, the panel into the scratch, uses it);
+// ints(blk, k, c) the integers q of the same places, as float32 (block_row_folded, one row, uses them).
 struct PQ8_0 {
   using T = uint8_t;
   static constexpr int64_t block_bytes = 2 * kPanel + QK * kPanel;
@@ -342,12 +342,17 @@ struct PQ8_0 {
       for (int c = 0; c < 3; ++c) d[c] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d_of(blk) + 8 * c)));
     }
   };
-  static void pair(const uint8_t* blk, const Scales& sc, int64_t k, int c, __m256& w0, __m256& w1) {
-    auto row = [&](int64_t kk) {  // d * q
+  static constexpr bool has_min = false;
+  static void ints(const uint8_t* blk, int64_t k, int c, __m256& q0, __m256& q1) {  // q of k, k + 1 as float32
+    auto row = [&](int64_t kk) {
       const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q_of(blk) + kk * kPanel + 8 * c));
-      return _mm256_mul_ps(sc.d[c], _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)));
+      return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
     };
-    w0 = row(k), w1 = row(k + 1);
+    q0 = row(k), q1 = row(k + 1);
+  }
+  static void pair(const uint8_t* blk, const Scales& sc, int64_t k, int c, __m256& w0, __m256& w1) {  // d * q
+    ints(blk, k, c, w0, w1);
+    w0 = _mm256_mul_ps(sc.d[c], w0), w1 = _mm256_mul_ps(sc.d[c], w1);
   }
 #endif
   static float one(const uint8_t* blk, int64_t k, int64_t j) {
@@ -370,11 +375,16 @@ struct PQ4_1 {
       }
     }
   };
-  static void pair(const uint8_t* blk, const Scales& sc, int64_t k, int c, __m256& w0, __m256& w1) {  // d * q + m
+  static constexpr bool has_min = true;
+  static void ints(const uint8_t* blk, int64_t k, int c, __m256& q0, __m256& q1) {  // q of k, k + 1 as float32
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q_of(blk) + k / 2 * kPanel + 8 * c));
     const __m256i v = _mm256_cvtepu8_epi32(b);
-    w0 = _mm256_fmadd_ps(sc.d[c], _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF))), sc.m[c]);
-    w1 = _mm256_fmadd_ps(sc.d[c], _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), sc.m[c]);
+    q0 = _mm256_cvtepi32_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xF)));
+    q1 = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+  }
+  static void pair(const uint8_t* blk, const Scales& sc, int64_t k, int c, __m256& w0, __m256& w1) {  // d * q + m
+    ints(blk, k, c, w0, w1);
+    w0 = _mm256_fmadd_ps(sc.d[c], w0, sc.m[c]), w1 = _mm256_fmadd_ps(sc.d[c], w1, sc.m[c]);
   }
 #endif
   static float one(const uint8_t* blk, int64_t k, int64_t j) {
@@ -536,30 +546,45 @@ inline void panel_row_two_chains(const float* x, const typename W::T* wp, int64_
 #endif
 }
 
-// One row through a block panel, widened in registers: panel_row_two_chains' arithmetic on the same weights (even k
-// in one chain, odd k in the other, added at the end), without writing the panel to the scratch and reading it back.
-// Returns false where it has no vector path (the caller widens into the scratch).
+// One row through a block panel without widening its weights: per block of 32 k, the row's products with the
+// integers q (two FMA chains per column, even and odd k), then acc += d * that + m * xsum[block] (the block's sum
+// of x; Q4_1 only), the min term folded out of the weights as llama.cpp's dot products do. One FMA a weight instead
+// of two (Q4_1: d * q + m, then x times it; Q8_0: a multiply and an FMA), and each block asks for the bytes ~4 KB
+// ahead (software prefetch, as the row kernels above). SmolLM2's 120 Q4_1 matrices (66 MB) at one row on 2 Xeon
+// cores (AVX-512; standalone copy, medians of 15): widened in registers without prefetch 4.9-5.1 ms, with it
+// 3.6-4.2, folded with it 3.3-3.5; folding alone did not move the engine's decode. Not the float32 panels' bits (another
+// rounding order of the same products, within float32 rounding of them; tested against float64), and only where
+// batch invariance is not asked for, as panel_row_two_chains. Returns false where it has no vector path.
 template <class W>
-inline bool block_row_two_chains(const float* x, const uint8_t* wp, int64_t K, float (&acc)[1][kPanel]) {
+inline bool block_row_folded(const float* x, const float* xsum, const uint8_t* wp, int64_t K,
+                             float (&acc)[1][kPanel]) {
 #if defined(__AVX2__) && defined(__F16C__)
   __m256 a[3], b[3];
   for (int c = 0; c < 3; ++c) a[c] = b[c] = _mm256_setzero_ps();
-  for (int64_t k0 = 0; k0 < K; k0 += QK, wp += W::block_bytes) {
-    const typename W::Scales sc(wp);
+  for (int64_t k0 = 0, blk = 0; k0 < K; k0 += QK, wp += W::block_bytes, ++blk) {
+    prefetch_bytes(wp + kPrefetchBytes, W::block_bytes);  // the bytes this thread reaches ~4 KB later (see above)
+    __m256 even[3], odd[3];
+    for (int c = 0; c < 3; ++c) even[c] = odd[c] = _mm256_setzero_ps();
     for (int64_t k = 0; k < QK; k += 2) {
       const __m256 xa = _mm256_broadcast_ss(x + k0 + k), xb = _mm256_broadcast_ss(x + k0 + k + 1);
       for (int c = 0; c < 3; ++c) {
-        __m256 w0, w1;
-        W::pair(wp, sc, k, c, w0, w1);
-        a[c] = _mm256_fmadd_ps(xa, w0, a[c]);
-        b[c] = _mm256_fmadd_ps(xb, w1, b[c]);
+        __m256 q0, q1;
+        W::ints(wp, k, c, q0, q1);
+        even[c] = _mm256_fmadd_ps(xa, q0, even[c]);
+        odd[c] = _mm256_fmadd_ps(xb, q1, odd[c]);
       }
+    }
+    const typename W::Scales sc(wp);
+    for (int c = 0; c < 3; ++c) a[c] = _mm256_fmadd_ps(sc.d[c], _mm256_add_ps(even[c], odd[c]), a[c]);
+    if constexpr (W::has_min) {
+      const __m256 xs = _mm256_broadcast_ss(xsum + blk);
+      for (int c = 0; c < 3; ++c) b[c] = _mm256_fmadd_ps(sc.m[c], xs, b[c]);
     }
   }
   for (int c = 0; c < 3; ++c) _mm256_storeu_ps(acc[0] + 8 * c, _mm256_add_ps(a[c], b[c]));
   return true;
 #else
-  (void)x, (void)wp, (void)K, (void)acc;
+  (void)x, (void)xsum, (void)wp, (void)K, (void)acc;
   return false;
 #endif
 }
@@ -597,6 +622,17 @@ float* thread_scratch(int64_t n) {
   thread_local int64_t capacity = 0;
   if (capacity < n) buffer.reset(new float[n]), capacity = n;
   return buffer.get();
+}
+
+// The sums of x [K] over each block of 32 k, in order: block_row_folded's min term (n = K / 32 floats).
+inline const float* block_sums(const float* x, int64_t K) {
+  float* sums = thread_scratch<2>(K / QK);
+  for (int64_t b = 0; b < K / QK; ++b) {
+    float s = 0.f;
+    for (int64_t k = 0; k < QK; ++k) s += x[b * QK + k];
+    sums[b] = s;
+  }
+  return sums;
 }
 
 // x [M, K] packed k-major per block of 4 rows (the last block holds the M % 4 rows left): block b at b * 4 * K.
@@ -715,11 +751,15 @@ void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
   // One row is already k-major, so it is not packed; without batch invariance it takes the two-chain kernel.
   const float* xp = p.M == 1 ? x : pack_rows_k_major(x, p.M, p.K);
   const bool two_chains = p.M == 1 && !batch_invariant;
+  const float* xsum = nullptr;  // block_row_folded's block sums of the one row
+  if constexpr (BlockPanel<W>::value) {
+    if (two_chains) xsum = block_sums(x, p.K);
+  }
   // bfloat16 / int8 panels for more than kConvertRows rows: converted to float32 once per panel and pass, not once
   // per 4-row tile (int8 converts in 3 instructions per 8 weights, in every tile). The conversion is exact, so
   // every row's arithmetic is the same either way.
   // Block panels are widened into the scratch at every batch size (their tiles have no other way to read them),
-  // except one row without batch invariance (widened in registers: block_row_two_chains).
+  // except one row without batch invariance (block_row_folded, never widened).
   constexpr bool convertible = !std::is_same_v<W, WF32>, blocks = BlockPanel<W>::value;
   auto converted = [&] {
     return convertible && ((blocks && !two_chains) || p.M > kConvertRows) ? thread_scratch<1>(2 * p.K * kPanel)
@@ -736,10 +776,10 @@ void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
     }
     for (; q < q1; ++q) {
       const typename W::T* wq = p.panels + q * panel_stride<W>(p.K);
-      if (two_chains) {  // one row: block panels widened in registers, other formats read as they are
+      if (two_chains) {  // one row: block panels by their integers, other formats read as they are
         float acc[1][kPanel];
         if constexpr (blocks) {
-          if (!block_row_two_chains<W>(x, wq, p.K, acc)) {
+          if (!block_row_folded<W>(x, xsum, wq, p.K, acc)) {
             float* scratch = thread_scratch<1>(p.K * kPanel);
             to_float_panel<W>(wq, p.K, scratch);
             panel_row_two_chains<WF32>(x, scratch, p.K, acc);
