@@ -47,7 +47,8 @@ def _run(argv: list[str]) -> int:
 
 def test_bench_phases_tiny_config_tables_json_and_roofline(tmp_path, capsys):
     out_json, png = tmp_path / "phases.json", tmp_path / "roofline.png"
-    argv = ["--config", "tiny", "-p", "8,16", "-n", "4", "-b", "1,2", "-d", "8", "-r", "2", "--measure-ceilings",
+    # float32 pinned: auto is bfloat16 on an AVX512-BF16 / AMX CPU, which would measure only that dtype's ceiling
+    argv = ["--config", "tiny", "--dtype", "float32", "-p", "8,16", "-n", "4", "-b", "1,2", "-d", "8", "-r", "2", "--measure-ceilings",
             "--output-json", str(out_json), "--roofline-png", str(png)]  # fmt: skip
     assert _run(argv) == 0
     text = capsys.readouterr().out
@@ -62,7 +63,8 @@ def test_bench_phases_tiny_config_tables_json_and_roofline(tmp_path, capsys):
         assert row["intensity"] == pytest.approx(row["flops"] / row["bytes"])
     assert result["results"][0]["mfu"] > 0 and result["results"][2]["bandwidth_utilization"] > 0
     assert result["ceilings"]["bandwidth"] > 0 and result["ceilings"]["matmul_flops"]["float32"] > 0
-    assert result["compute_bound_batch"] >= 1
+    batch = result["compute_bound_batch"]  # None where even a 65536-row decode stays below the ridge (fast GEMMs)
+    assert batch is None or batch >= 1
     assert png.read_bytes()[:8] == PNG_MAGIC
 
 
