@@ -59,6 +59,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="llama.cpp GGUF precisions, comma list of f32,bf16,q8_0,q4_1 "
                              "(default: the one matching twophase's dtype)")
     parser.add_argument("--vllm-args", default="", help="extra `vllm serve` args, e.g. \"--enforce-eager\"")
+    parser.add_argument("--vllm-dtypes", default=None,
+                        help="vLLM CPU dtypes, one column each, comma list of float32,bfloat16 "
+                             "(default: twophase's dtype)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="smaller shapes and fewer prompts: a smoke run")
     parser.add_argument("--no-s1", action="store_true", help="skip the serving rows (no servers started)")
@@ -72,6 +75,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     unknown = set(args.only) - set(PEERS)
     if unknown:
         parser.error(f"--only: unknown {sorted(unknown)}; choose from {','.join(PEERS)}")
+    if args.vllm_dtypes:
+        args.vllm_dtypes = [d.strip() for d in args.vllm_dtypes.split(",") if d.strip()]
+        bad = set(args.vllm_dtypes) - set(DTYPE_BYTES)
+        if bad:
+            parser.error(f"--vllm-dtypes: unknown {sorted(bad)}; choose from {','.join(DTYPE_BYTES)}")
     if args.precisions:
         args.precisions = [p.strip().lower() for p in args.precisions.split(",") if p.strip()]
         bad = set(args.precisions) - set(llamacpp.PRECISIONS)
@@ -229,13 +237,13 @@ def main(argv: list[str] | None = None) -> int:
             columns.append({"name": name, "label": "llama.cpp", "peer": "llamacpp", "precision": precision,
                             "result": res})
 
-    if "vllm" in args.only:
-        name = f"vLLM CPU {vllm_cpu.VERSION} ({base_dtype})"
+    for vllm_dtype in (args.vllm_dtypes or [base_dtype]) if "vllm" in args.only else []:
+        name = f"vLLM CPU {vllm_cpu.VERSION} ({vllm_dtype})"
         log(f"== {name}")
-        res = vllm_cpu.try_bench(model, base_dtype, shapes, workload, repeats, args.vllm_args)
+        res = vllm_cpu.try_bench(model, vllm_dtype, shapes, workload, repeats, args.vllm_args)
         if "unavailable" in res:
             log(f"vLLM CPU: unavailable ({res['unavailable']})")
-        columns.append({"name": name, "label": "vLLM CPU", "peer": "vllm", "dtype": base_dtype, "result": res})
+        columns.append({"name": name, "label": "vLLM CPU", "peer": "vllm", "dtype": vllm_dtype, "result": res})
 
     for col in columns:
         res = col["result"]
