@@ -267,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
     report = "\n".join(header) + render_table(columns, shapes, workload, floor) + "\n"
     notes = [f"{c['label']}: unavailable ({c['result']['unavailable']})"
              for c in columns if "unavailable" in c["result"]]
+    notes += [f"{c['name']}: {row} failed ({reason})" for c in columns
+              for row, reason in c["result"].get("failed_rows", {}).items()]
     if notes:
         report += "\n" + "\n".join(notes) + "\n"
     print(report)

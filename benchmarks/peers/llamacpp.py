@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import tarfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
-from peers.common import HOST, Server, Workload, free_port, log, median, peers_home, run_s1
+from peers.common import HOST, Server, ServerError, Workload, free_port, log, median, peers_home, run_s1
 
 VERSION = "0.3.36"  # llama-cpp-python sdist whose vendor/llama.cpp we build
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-server", "llama-quantize")
@@ -119,18 +121,46 @@ def run_serving(model: Path, tokenizer: str, workload: Workload, repeats: int) -
         return run_s1(server.base_url, workload, tokenizer, repeats, model="model")
 
 
+def guarded(row: str, precision: str, failed: dict, run: Callable[[], dict]) -> dict:
+    """``run()``, or {} with the reason kept in ``failed`` when the tool fails (e.g. a build whose batched path
+    uses instructions this CPU refuses: the other rows still count)."""
+    try:
+        return run()
+    except (subprocess.CalledProcessError, ServerError, RuntimeError) as exc:
+        if isinstance(exc, subprocess.CalledProcessError):
+            code = exc.returncode
+            how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
+            reason = f"{Path(str(exc.cmd[0])).name} {how}"
+        else:
+            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''}"
+        log(f"llama.cpp {precision} {row} failed: {reason}")
+        failed[row] = reason
+        return {}
+
+
 def bench(source: Path, precision: str, tokenizer: str, shapes: dict, workload: Workload | None,
           repeats: int) -> dict:
-    """Every row for one precision."""
+    """Every row for one precision, each on its own (a row whose tool fails is left out, its reason in
+    ``failed_rows``)."""
     model = variant(source, precision)
-    log(f"llama.cpp {precision}: llama-bench pp{shapes['pp']} tg{shapes['tg']}")
-    out = bench_pp_tg(model, shapes["pp"], shapes["tg"], repeats)
+    failed: dict[str, str] = {}
+    out: dict = {"runs": {}, "weight_bytes": model.stat().st_size, "file": model.name}
+    log(f"llama.cpp {precision}: llama-bench tg{shapes['tg']}, then pp{shapes['pp']}")
+    for row, (pp, tg) in {"tg": (0, shapes["tg"]), "pp": (shapes["pp"], 0)}.items():
+        got = guarded(row, precision, failed, lambda: bench_pp_tg(model, pp, tg, repeats))
+        out["runs"].update(got.pop("runs", {}))
+        out.update(got)
     log(f"llama.cpp {precision}: llama-batched-bench npp {shapes['npp']} ntg {shapes['ntg']} npl {shapes['npl']}")
-    batched = bench_batched(model, shapes["npp"], shapes["ntg"], shapes["npl"], repeats)
-    runs = {**out.pop("runs"), **batched.pop("runs")}
-    out.update(batched, runs=runs, weight_bytes=model.stat().st_size, file=model.name)
-    log(f"  llama.cpp {precision}: tg {out['tg']:.1f}, pp {out['pp']:.1f}, batch S_TG {out['batch']:.1f}")
+    batched = guarded("batch", precision, failed,
+                      lambda: bench_batched(model, shapes["npp"], shapes["ntg"], shapes["npl"], repeats))
+    out["runs"].update(batched.pop("runs", {}))
+    out.update(batched)
+    log(f"  llama.cpp {precision}: " + ", ".join(f"{k} {out[k]:.1f}" for k in ("tg", "pp", "batch") if k in out))
     if workload is not None:
         log(f"llama.cpp {precision}: S1 via llama-server")
-        out["s1"] = run_serving(model, tokenizer, workload, repeats)
+        s1 = guarded("s1", precision, failed, lambda: run_serving(model, tokenizer, workload, repeats))
+        if s1:
+            out["s1"] = s1
+    if failed:
+        out["failed_rows"] = failed
     return out
