@@ -358,23 +358,26 @@ def teacher_forced_top1(llm: LLM, reference: LLM, prompts: list[list[int]]) -> f
     return agree / total
 
 
-@pytest.mark.parametrize("dtype,quantization,cache_dtype,floor", [
-    ("bfloat16", "none", "auto", 0.97), ("float32", "int8", "auto", 0.95), ("float32", "q8_0", "auto", 0.95),
-    ("float32", "gguf", "auto", 0.95), ("float32", "none", "bfloat16", 0.97)])  # fmt: skip
-def test_real_model_agreement_with_float32(default_model, dtype, quantization, cache_dtype, floor):
+@pytest.mark.parametrize("dtype,quantization,cache_dtype,gemm_dtype,floor", [
+    ("bfloat16", "none", "auto", "float32", 0.97), ("float32", "int8", "auto", "float32", 0.95),
+    ("float32", "q8_0", "auto", "float32", 0.95), ("float32", "gguf", "auto", "float32", 0.95),
+    ("float32", "none", "bfloat16", "float32", 0.97), ("float32", "none", "bfloat16", "bfloat16", 0.97)])  # fmt: skip
+def test_real_model_agreement_with_float32(default_model, dtype, quantization, cache_dtype, gemm_dtype, floor):
     """Teacher-forced top-1 agreement with float32 on real text (the chat prompts plus their greedy answers).
     q8_0 and gguf (SmolLM2's Q4_1 as stored, against the float32 of the same weights) round activations to int8
     blocks as llama.cpp does: measured 0.960 and 0.957 (0.99+ with float32 activations, the cost of 2x speed).
-    A bfloat16 KV cache under float32 weights (--kv-cache-dtype bfloat16) rounds only K and V."""
+    A bfloat16 KV cache under float32 weights (--kv-cache-dtype bfloat16) rounds only K and V; with bfloat16 GEMMs
+    (what --dtype auto runs on an AMX CPU) prefill's projections round their rows and outputs too."""
     from test_parity_hf import CHAT_PROMPTS
 
     reference = LLM(str(default_model), dtype="float32", progress=False)
     conversations = [[{"role": "user", "content": q}] for q in CHAT_PROMPTS]
     answers = reference.chat(conversations, SamplingParams(temperature=0, max_tokens=48))
     sequences = [reference.render_chat(c) + a.token_ids for c, a in zip(conversations, answers)]
-    other = LLM(str(default_model), dtype=dtype, quantization=quantization, cache_dtype=cache_dtype, progress=False)
+    other = LLM(str(default_model), dtype=dtype, quantization=quantization, cache_dtype=cache_dtype,
+                gemm_dtype=gemm_dtype, progress=False)
     agreement = teacher_forced_top1(other, reference, sequences)
-    print(f"{dtype}/{quantization}/cache {cache_dtype}: top-1 agreement with float32 {agreement:.3f}")
+    print(f"{dtype}/{quantization}/cache {cache_dtype}/gemm {gemm_dtype}: top-1 agreement with float32 {agreement:.3f}")
     assert agreement >= floor
 
 
@@ -396,6 +399,53 @@ def test_auto_dtype_reads_stored_blocks_in_float32(default_model, tiny_llama_dir
     assert llm_engine.engine_dtype(EngineConfig(model=str(default_model), quantization="int8"), gguf) == by_cpu
     assert llm_engine.engine_dtype(EngineConfig(model=str(default_model), dtype="bfloat16"), gguf) == torch.bfloat16
     assert llm_engine.wants_native_weights(EngineConfig(model=str(default_model)), gguf)
+
+
+def test_gemm_weight_takes_rows_from_its_threshold(kernels):
+    """A projection with a bfloat16 GEMM weight (``use_gemm_weights``) gives the panels' bits below the threshold and
+    torch's bfloat16 GEMM (rows rounded to bfloat16, float32 out, then the bias) from it; a batch-invariant one
+    refuses a GEMM weight."""
+    from twophase.model.ops.linear import use_gemm_weights
+
+    torch.manual_seed(3)
+    weight, bias = torch.randn(50, 96), torch.randn(50)
+    layer, plain = KernelLinear(weight, bias, kernels), KernelLinear(weight.clone(), bias, kernels)
+    assert use_gemm_weights(torch.nn.Sequential(layer), torch.bfloat16, min_rows=4) == 1
+    for rows in (1, 3, 4, 17):
+        x = torch.randn(rows, 96)
+        if rows < 4:
+            assert torch.equal(layer(x), plain(x)), rows
+        else:
+            expected = torch.nn.functional.linear(x.bfloat16(), weight.bfloat16()).float() + bias
+            assert torch.equal(layer(x), expected), rows
+    invariant = KernelLinear(weight, bias, kernels, batch_invariant=True)
+    with pytest.raises(RuntimeError, match="batch_invariant"):
+        use_gemm_weights(torch.nn.Sequential(invariant), torch.bfloat16)
+
+
+@pytest.mark.parametrize("fast_bf16", [False, True])
+def test_gemm_dtype_auto_only_for_block_weights_on_bf16_cpus(default_model, tiny_llama_dir, monkeypatch, fast_bf16):
+    """--gemm-dtype auto: bfloat16 GEMMs (and a bfloat16 KV cache) where --dtype auto runs GGUF-block weights in float32
+    on a CPU with bfloat16 arithmetic; never for an explicit --dtype, --deterministic or a quantization; an explicit
+    bfloat16 where it cannot apply is refused."""
+    from twophase.config import EngineConfig
+    from twophase.engine import hardware
+    from twophase.engine.model_runner import resolve_cache_dtype
+    from twophase.loader import open_model_source
+
+    monkeypatch.setattr(hardware, "cpu_has_fast_bf16", lambda: fast_bf16)
+    gguf, dense = open_model_source(str(default_model)), open_model_source(str(tiny_llama_dir))
+    auto = llm_engine.resolve_gemm_dtype(EngineConfig(model=str(default_model)), gguf)
+    assert auto == (torch.bfloat16 if fast_bf16 else None)
+    assert resolve_cache_dtype("auto", torch.float32, auto) == (torch.bfloat16 if fast_bf16 else torch.float32)
+    for options in ({"dtype": "float32"}, {"deterministic": True}, {"quantization": "int8"}):
+        assert llm_engine.resolve_gemm_dtype(EngineConfig(model=str(default_model), **options), gguf) is None
+    assert llm_engine.resolve_gemm_dtype(EngineConfig(model=str(tiny_llama_dir)), dense) is None or not fast_bf16
+    assert llm_engine.resolve_gemm_dtype(EngineConfig(model=str(default_model), gemm_dtype="bfloat16",
+                                                      dtype="float32"), gguf) == torch.bfloat16
+    with pytest.raises(ValueError, match="not --deterministic"):
+        llm_engine.resolve_gemm_dtype(EngineConfig(model=str(default_model), gemm_dtype="bfloat16",
+                                                   deterministic=True), gguf)
 
 
 def test_gguf_weights_run_as_stored(default_model):

@@ -47,6 +47,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "kernel"])
     parser.add_argument("--linear-backend", default="auto", choices=["auto", "torch"], help="torch: F.linear reference")
     parser.add_argument(
+        "--gemm-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+        help="projections of 16+ rows (prefill, wide decode) through torch's GEMM in this dtype; auto: bfloat16 "
+             "where --dtype auto runs GGUF-block weights in float32 on an AMX / AVX512-BF16 CPU, else float32 (the kernels)",
+    )  # fmt: skip
+    parser.add_argument(
         "--deterministic", action="store_true",
         help="batch-invariant execution: every row of every step through the C++ kernels, whose per-row arithmetic does "
         "not depend on the batch, so batching and chunking never change a request's logits or tokens (CPU; prefill "
@@ -131,7 +136,7 @@ def engine_config_from_args(args: argparse.Namespace):
     return EngineConfig(
         model=args.model, dtype=args.dtype, device=args.device, seed=args.seed, cache=cache, scheduler=scheduler,
         quantization=args.quantization, attention_backend=args.attention_backend,
-        linear_backend=args.linear_backend, deterministic=args.deterministic, num_threads=args.threads, parallel=parallel_config_from_args(args),
+        linear_backend=args.linear_backend, gemm_dtype=args.gemm_dtype, deterministic=args.deterministic, num_threads=args.threads, parallel=parallel_config_from_args(args),
         kv_transfer=kv_transfer_config(args),
         speculative_config=SpeculativeConfig.parse(getattr(args, "speculative_config", None)),
     )  # fmt: skip

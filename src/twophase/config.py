@@ -180,6 +180,7 @@ class EngineConfig:
     quantization: str = "none"  # none | int8 | q8_0 | q4_1 (weight-only; see model/ops/linear.py)
     attention_backend: str = "auto"  # auto | torch | kernel
     linear_backend: str = "auto"  # auto (our C++ kernels when they build) | torch (F.linear, the reference)
+    gemm_dtype: str = "auto"  # auto | float32 | bfloat16: multi-row projections' GEMM (see llm_engine.resolve_gemm_dtype)
     deterministic: bool = False  # batch-invariant kernels: a request's logits never depend on its batch or chunking
     num_threads: int | None = None  # intra-op threads; None: the physical cores
     speculative_config: Any = None  # None (off), or a dict / JSON string / spec_decode.SpeculativeConfig

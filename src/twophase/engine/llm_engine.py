@@ -67,7 +67,7 @@ def build_model_runner(config: EngineConfig, source, tp=None, progress: bool = T
     max_model_len = min(config.scheduler.max_model_len, source.config.max_position_embeddings)
     return ModelRunner(
         source.config, functools.partial(source.iter_weights, progress=progress), config.cache, max_model_len,
-        engine_dtype(config, source), device, seed=config.seed, options=runner_options(config),
+        engine_dtype(config, source), device, seed=config.seed, options=runner_options(config, source),
         native_weights=source.native_quantized_weights() if wants_native_weights(config, source) else None,
         tp=tp,
     )  # fmt: skip
@@ -96,10 +96,30 @@ def start_model_runner(config: EngineConfig, source, progress: bool = True) -> M
         raise
 
 
-def runner_options(config: EngineConfig) -> RunnerOptions:
-    """How the runners of ``config`` execute (weight format, backends, batch size)."""
+def resolve_gemm_dtype(config: EngineConfig, source) -> torch.dtype | None:
+    """The dtype of the GEMM that projections of 16+ rows (prefill chunks, wide decode steps) run in, None for the
+    kernels at every batch size. 'auto' → bfloat16 where ``--dtype auto`` chose float32 for weights stored in GGUF
+    blocks on a CPU with bfloat16 arithmetic (AMX / AVX512-BF16): batch-1 decode reads the blocks exactly, the big
+    multiplies take the bfloat16 units, as ``--dtype auto`` asks of such CPUs. Never under ``--deterministic`` or
+    an explicit ``--dtype``: ``--dtype float32`` keeps the exactness contract."""
+    name = config.gemm_dtype
+    if name not in ("auto", "float32", "bfloat16"):
+        raise ValueError(f"unknown GEMM dtype {name!r}; choose auto, float32 or bfloat16")
+    device = torch.device(config.device)
+    usable = device.type == "cpu" and config.quantization == "none" and not config.deterministic
+    usable = usable and engine_dtype(config, source) == torch.float32
+    if name == "bfloat16" and not usable:
+        raise ValueError("--gemm-dtype bfloat16 needs float32 weights on CPU, no quantization, not --deterministic")
+    if name == "auto":
+        name = "bfloat16" if usable and config.dtype == "auto" and hardware.cpu_has_fast_bf16() else "float32"
+    return torch.bfloat16 if name == "bfloat16" else None
+
+
+def runner_options(config: EngineConfig, source=None) -> RunnerOptions:
+    """How the runners of ``config`` execute (weight format, backends, batch size, GEMM dtype for ``source``)."""
+    gemm_dtype = None if source is None else resolve_gemm_dtype(config, source)
     return RunnerOptions(config.quantization, config.attention_backend, config.linear_backend,
-                         config.scheduler.max_num_seqs, config.deterministic)
+                         config.scheduler.max_num_seqs, config.deterministic, gemm_dtype)
 
 
 class LLMEngine:

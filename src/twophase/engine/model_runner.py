@@ -33,10 +33,13 @@ def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype)
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
-def resolve_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The KV cache's dtype for ``--kv-cache-dtype``: auto is the model's dtype; bfloat16 under a float32 model
-    stores half the bytes (K and V rounded to nearest even when written, read back as float32 by attention)."""
-    dtypes = {"auto": model_dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}
+def resolve_cache_dtype(name: str, model_dtype: torch.dtype, gemm_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The KV cache's dtype for ``--kv-cache-dtype``: auto is the model's dtype, or bfloat16 where the projections'
+    GEMMs run in bfloat16 (``gemm_dtype``: that mode already gives up float32's exactness; on the AMX Xeon an S1-shaped
+    offline run made 421-424 output tok/s with it against 372-375); bfloat16 under a float32 model stores half the
+    bytes (K and V rounded to nearest even when written, read back as float32 by attention)."""
+    auto = torch.bfloat16 if gemm_dtype == torch.bfloat16 and model_dtype == torch.float32 else model_dtype
+    dtypes = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16}
     if name not in dtypes:
         raise ValueError(f"unknown KV cache dtype {name!r}; choose auto, float32 or bfloat16")
     dtype = dtypes[name]
@@ -55,6 +58,7 @@ class RunnerOptions:
     linear_backend: str = "auto"
     max_num_seqs: int = 64
     deterministic: bool = False  # batch-invariant: every row through the kernels (see model/ops/linear.py)
+    gemm_dtype: torch.dtype | None = None  # bfloat16: multi-row projections through torch's GEMM on a bf16 copy
 
 
 @dataclass
@@ -95,7 +99,7 @@ class ModelRunner:
             native_weights = shard_native(native_weights, tp.plan, model_config)
         self.block_size = cache_config.block_size
         self.dtype = dtype
-        self.cache_dtype = resolve_cache_dtype(cache_config.cache_dtype, dtype)
+        self.cache_dtype = resolve_cache_dtype(cache_config.cache_dtype, dtype, options.gemm_dtype)
         self.device = device
         self.backend = make_attention_backend(
             options.attention_backend, self.local_config.num_attention_heads, self.local_config.num_key_value_heads,
@@ -147,6 +151,12 @@ class ModelRunner:
         self.quantization = quantization
         self.linear_kernels = kernels is not None
         self.model.pack(quantization, kernels, native_weights, batch_invariant=options.deterministic)
+        self.gemm_dtype = None
+        if options.gemm_dtype is not None and kernels is not None and not options.deterministic:
+            from twophase.model.ops.linear import GEMM_MIN_ROWS, use_gemm_weights
+
+            if use_gemm_weights(self.model, options.gemm_dtype, GEMM_MIN_ROWS):
+                self.gemm_dtype, self.gemm_min_rows = options.gemm_dtype, GEMM_MIN_ROWS
 
     def _check_batch_invariant(self, kernels) -> None:
         """``deterministic`` runs every op through a kernel whose rows do not see each other; refuse otherwise."""
@@ -196,7 +206,9 @@ class ModelRunner:
         tokens = self.num_blocks * self.block_size
         weights = self.quantization if self.quantization != "none" else str(self.dtype).removeprefix("torch.")
         return (
-            f"weights {weights} ({'C++ kernels' if self.linear_kernels else 'plain torch'}), attention "
+            f"weights {weights} ({'C++ kernels' if self.linear_kernels else 'plain torch'}"
+            + (f"; {str(self.gemm_dtype).removeprefix('torch.')} GEMMs from {self.gemm_min_rows} rows" if self.gemm_dtype else "")
+            + "), attention "
             f"{self.backend.name}, KV cache {self.num_blocks} blocks x {self.block_size} = {tokens} tokens "
             f"({self.kv_cache_bytes / 2**20:.0f} MiB, {str(self.cache_dtype).removeprefix('torch.')}), "
             f"{torch.get_num_threads()} threads"

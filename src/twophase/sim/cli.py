@@ -149,7 +149,7 @@ def _engine_shape(config: Any, num_kv_blocks: int | None) -> tuple[int, int]:
     import torch
 
     from twophase.engine import hardware
-    from twophase.engine.llm_engine import engine_dtype
+    from twophase.engine.llm_engine import engine_dtype, resolve_gemm_dtype
     from twophase.engine.model_runner import kv_bytes_per_block, resolve_cache_dtype
     from twophase.loader import open_model_source
 
@@ -159,7 +159,8 @@ def _engine_shape(config: Any, num_kv_blocks: int | None) -> tuple[int, int]:
     if num_kv_blocks:
         return max_len, num_kv_blocks
     device = torch.device(config.device)
-    cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, engine_dtype(config, source))
+    cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, engine_dtype(config, source),
+                                      resolve_gemm_dtype(config, source))
     per_block = kv_bytes_per_block(model_config, config.cache.block_size, cache_dtype)
     budget = config.cache.kv_cache_memory_bytes
     if budget is None:

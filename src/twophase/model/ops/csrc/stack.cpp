@@ -23,7 +23,22 @@ LinearOp::LinearOp(const std::string& kind, std::vector<at::Tensor> tensors, c10
   if (bias_.has_value() && bias_->defined()) bias_ = bias_->to(at::kFloat).contiguous();
 }
 
+void LinearOp::set_gemm_weight(at::Tensor weight, int64_t min_rows) {
+  TORCH_CHECK(!batch_invariant_, "LinearOp: a GEMM weight would make rows depend on the batch (batch_invariant)");
+  TORCH_CHECK(weight.dim() == 2 && (out_features_ == 0 || weight.size(0) == out_features_),
+              "LinearOp: the GEMM weight must be [out_features, in_features]");
+  gemm_weight_ = weight.contiguous();
+  gemm_min_rows_ = std::max<int64_t>(1, min_rows);
+}
+
+at::Tensor LinearOp::gemm(const at::Tensor& x) const {
+  at::Tensor y = at::linear(x.to(gemm_weight_.scalar_type()), gemm_weight_).to(at::kFloat);  // [M, N]
+  if (bias_.has_value() && bias_->defined()) y.add_(*bias_);
+  return y;
+}
+
 at::Tensor LinearOp::operator()(const at::Tensor& x) const {
+  if (gemm_weight_.defined() && x.size(0) >= gemm_min_rows_) return gemm(x);
   switch (kind_) {
     case Kind::Panels: return tp::panel_linear(x, t_[0], out_features_, bias_, batch_invariant_, c10::nullopt);
     case Kind::Int8: return tp::panel_linear(x, t_[0], out_features_, bias_, batch_invariant_, t_[1]);

@@ -16,13 +16,19 @@ class LinearOp {
   LinearOp(const std::string& kind, std::vector<at::Tensor> tensors, c10::optional<at::Tensor> bias,
            bool batch_invariant, int64_t out_features);
   at::Tensor operator()(const at::Tensor& x) const;  // x fp32 [M, K] -> fp32 [M, N]
+  // From min_rows rows on, y = linear(x as w's dtype, w) in float32 (+ bias): a bfloat16 copy [N, K] of the weight
+  // that torch's GEMM runs on AMX / AVX512-BF16, many times the float32 panels' rate for a prefill chunk.
+  void set_gemm_weight(at::Tensor weight, int64_t min_rows);
 
  private:
+  at::Tensor gemm(const at::Tensor& x) const;
   enum class Kind { Panels, Int8, Q8_0, Q4_1, BlockPanels } kind_;
   std::vector<at::Tensor> t_;
   c10::optional<at::Tensor> bias_;
   bool batch_invariant_;
   int64_t out_features_;
+  at::Tensor gemm_weight_;  // undefined: the kernels at every batch size
+  int64_t gemm_min_rows_ = 0;
 };
 
 struct StackLayer {
