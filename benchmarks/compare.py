@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     if "twophase" in args.only:
         for extra in ["", *args.twophase_args]:
             dtype = twophase_peer.resolved_dtype(model, extra)
-            name = f"twophase {dtype}" + (f" `{extra}`" if extra else " (defaults)")
+            name = f"twophase {dtype}{twophase_peer.gemm_note(model, extra)}" + (f" `{extra}`" if extra else " (defaults)")
             log(f"== {name}")
             res = run_twophase(model, extra, shapes, workload, repeats)
             res["weight_bytes"] = twophase_weight_bytes(config.num_params, dtype, extra, source)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from twophase import LLM, SamplingParams
 from twophase.cli import add_engine_arguments, engine_config_from_args
-from twophase.engine.llm_engine import engine_dtype
+from twophase.engine.llm_engine import engine_dtype, resolve_gemm_dtype
 from twophase.loader import open_model_source
 from twophase.metrics.timeline import request_metrics
 
@@ -35,6 +35,14 @@ def resolved_dtype(model: str, extra: str) -> str:
     """The torch dtype name the engine will run in ('auto' resolved as the engine does)."""
     config = engine_config_from_args(parse_engine_args(model, extra))
     return str(engine_dtype(config, open_model_source(config.model))).removeprefix("torch.")
+
+
+def gemm_note(model: str, extra: str) -> str:
+    """' (bfloat16 GEMMs)' where the engine runs its multi-row projections in another dtype than its own, else ''."""
+    config = engine_config_from_args(parse_engine_args(model, extra))
+    source = open_model_source(config.model)
+    gemm = resolve_gemm_dtype(config, source)
+    return "" if gemm is None or gemm == engine_dtype(config, source) else f" ({str(gemm).removeprefix('torch.')} GEMMs)"
 
 
 def bench_engine(model: str, extra: str, shapes: dict, repeats: int) -> dict[str, float]:
