@@ -99,14 +99,15 @@ class ModelRunner:
             native_weights = shard_native(native_weights, tp.plan, model_config)
         self.block_size = cache_config.block_size
         self.dtype = dtype
-        self.cache_dtype = resolve_cache_dtype(cache_config.cache_dtype, dtype, options.gemm_dtype)
         self.device = device
+        kernels = self._linear_kernels(options)
+        gemm_dtype = options.gemm_dtype if kernels is not None and not options.deterministic else None
+        self.cache_dtype = resolve_cache_dtype(cache_config.cache_dtype, dtype, gemm_dtype)
         self.backend = make_attention_backend(
             options.attention_backend, self.local_config.num_attention_heads, self.local_config.num_key_value_heads,
             model_config.head_dim, device, dtype,
         )  # fmt: skip
         self.model = build_model(self.local_config, max_model_len, dtype, device, self.backend)
-        kernels = self._linear_kernels(options)
         skipped = set()
         if callable(weights) and native_weights and tp is None:  # a reader can leave out what blocks alone build
             skipped = self.model.weights_built_from_blocks(native_weights, options.quantization, kernels, dtype, device)
@@ -152,7 +153,7 @@ class ModelRunner:
         self.linear_kernels = kernels is not None
         self.model.pack(quantization, kernels, native_weights, batch_invariant=options.deterministic)
         self.gemm_dtype = None
-        if options.gemm_dtype is not None and kernels is not None and not options.deterministic:
+        if options.gemm_dtype is not None and kernels is not None and not options.deterministic:  # as the cache's
             from twophase.model.ops.linear import GEMM_MIN_ROWS, use_gemm_weights
 
             if use_gemm_weights(self.model, options.gemm_dtype, GEMM_MIN_ROWS):

@@ -482,7 +482,7 @@ inline void panel_tile(const float* xp, const typename W::T* wp, int64_t K, floa
 // SmolLM2's gate/up shape at 512 rows on 2 Xeon cores with AVX512 (standalone copy), 180 -> 300 GFLOP/s.
 // Every output is the same FMA chain over k = 0..K-1 as in panel_tile, so the bits are panel_tile's.
 // xa, xb: two full 4-row blocks of x packed k-major; wa, wb: the panels; acc_a / acc_b: their 8 x 24 results.
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: the 256-bit halves (insert / extract)
 inline void panel_pair_tile8(const float* xa, const float* xb, const float* wa, const float* wb, int64_t K,
                              float (&acc_a)[8][kPanel], float (&acc_b)[8][kPanel]) {
   const __m512 zero = _mm512_setzero_ps();
@@ -696,8 +696,8 @@ constexpr int64_t kPanelRowChunk = 256;
 // Groups of panels per thread that one projection is cut into for dynamic scheduling (see panel_run).
 constexpr int64_t kPanelGroupsPerThread = 8;
 
-// Whether panel_run takes pairs of panels through panel_pair_tile8 (AVX-512 builds).
-#ifdef __AVX512F__
+// Whether panel_run takes pairs of panels through panel_pair_tile8 (AVX-512 F + DQ builds).
+#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: the 256-bit halves (insert / extract)
 constexpr bool kPairTiles = true;
 #else
 constexpr bool kPairTiles = false;
@@ -710,7 +710,7 @@ template <class W>
 int64_t panel_pairs(const PanelProblem<W>& p, const float* xp, int64_t c0, int64_t c1, int64_t q0, int64_t q1,
                     float* wf) {
   int64_t q = q0;
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: the 256-bit halves (insert / extract)
   for (; q + 2 <= q1; q += 2) {
     const typename W::T* wq = p.panels + q * panel_stride<W>(p.K);
     const float *fa, *fb;
