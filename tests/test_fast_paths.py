@@ -403,21 +403,26 @@ def test_auto_dtype_reads_stored_blocks_in_float32(default_model, tiny_llama_dir
 
 def test_gemm_weight_takes_rows_from_its_threshold(kernels):
     """A projection with a bfloat16 GEMM weight (``use_gemm_weights``) gives the panels' bits below the threshold and
-    torch's bfloat16 GEMM (rows rounded to bfloat16, float32 out, then the bias) from it; a batch-invariant one
-    refuses a GEMM weight."""
-    from twophase.model.ops.linear import use_gemm_weights
+    torch's bfloat16 GEMM (rows rounded to bfloat16, float32 out, then the bias) from it, on oneDNN's prepacked copy
+    below PREPACKED_MAX_ROWS (its blocking may round differently: within a bfloat16 step of F.linear's) and on the
+    weight itself from there; a batch-invariant one refuses a GEMM weight."""
+    from twophase.model.ops.linear import PREPACKED_MAX_ROWS, use_gemm_weights
 
     torch.manual_seed(3)
     weight, bias = torch.randn(50, 96), torch.randn(50)
     layer, plain = KernelLinear(weight, bias, kernels), KernelLinear(weight.clone(), bias, kernels)
     assert use_gemm_weights(torch.nn.Sequential(layer), torch.bfloat16, min_rows=4) == 1
-    for rows in (1, 3, 4, 17):
+    for rows in (1, 3, 4, 17, PREPACKED_MAX_ROWS, 300):
         x = torch.randn(rows, 96)
         if rows < 4:
             assert torch.equal(layer(x), plain(x)), rows
-        else:
-            expected = torch.nn.functional.linear(x.bfloat16(), weight.bfloat16()).float() + bias
+            continue
+        expected = torch.nn.functional.linear(x.bfloat16(), weight.bfloat16()).float() + bias
+        if rows >= PREPACKED_MAX_ROWS or layer.gemm_packed is None:
             assert torch.equal(layer(x), expected), rows
+        else:
+            torch.testing.assert_close(layer(x), expected, rtol=1e-2, atol=1e-2)
+            assert not torch.allclose(layer(x), plain(x), rtol=1e-4, atol=1e-4)  # the GEMM ran, not the panels
     invariant = KernelLinear(weight, bias, kernels, batch_invariant=True)
     with pytest.raises(RuntimeError, match="batch_invariant"):
         use_gemm_weights(torch.nn.Sequential(invariant), torch.bfloat16)

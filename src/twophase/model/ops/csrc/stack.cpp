@@ -4,6 +4,9 @@
 // bit-identical); what it saves is Python: ~12 calls per layer, each a few microseconds of argument handling.
 #include "stack.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+
 namespace tp {
 
 LinearOp::LinearOp(const std::string& kind, std::vector<at::Tensor> tensors, c10::optional<at::Tensor> bias,
@@ -23,16 +26,34 @@ LinearOp::LinearOp(const std::string& kind, std::vector<at::Tensor> tensors, c10
   if (bias_.has_value() && bias_->defined()) bias_ = bias_->to(at::kFloat).contiguous();
 }
 
-void LinearOp::set_gemm_weight(at::Tensor weight, int64_t min_rows) {
+void LinearOp::set_gemm_weight(at::Tensor weight, int64_t min_rows, c10::optional<at::Tensor> packed,
+                               int64_t packed_max_rows) {
   TORCH_CHECK(!batch_invariant_, "LinearOp: a GEMM weight would make rows depend on the batch (batch_invariant)");
   TORCH_CHECK(weight.dim() == 2 && (out_features_ == 0 || weight.size(0) == out_features_),
               "LinearOp: the GEMM weight must be [out_features, in_features]");
   gemm_weight_ = weight.contiguous();
   gemm_min_rows_ = std::max<int64_t>(1, min_rows);
+  gemm_packed_ = packed.has_value() ? *packed : at::Tensor();
+  gemm_packed_max_rows_ = packed_max_rows;
 }
 
+namespace {
+// mkldnn::_linear_pointwise(X, W, B, attr, scalars, algorithm): oneDNN's linear on a weight it reordered (what
+// inductor's freezing calls), through the dispatcher (boxed: no C++ header declares it).
+at::Tensor linear_prepacked(const at::Tensor& x, const at::Tensor& packed) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "");
+  torch::jit::Stack stack{x, packed, c10::IValue(), std::string("none"), c10::List<c10::optional<at::Scalar>>(),
+                          std::string("")};
+  op.callBoxed(&stack);
+  return stack[0].toTensor();
+}
+}  // namespace
+
 at::Tensor LinearOp::gemm(const at::Tensor& x) const {
-  at::Tensor y = at::linear(x.to(gemm_weight_.scalar_type()), gemm_weight_).to(at::kFloat);  // [M, N]
+  const at::Tensor xg = x.to(gemm_weight_.scalar_type());  // [M, K]
+  const bool prepacked = gemm_packed_.defined() && x.size(0) < gemm_packed_max_rows_;
+  at::Tensor y = (prepacked ? linear_prepacked(xg, gemm_packed_) : at::linear(xg, gemm_weight_)).to(at::kFloat);
   if (bias_.has_value() && bias_->defined()) y.add_(*bias_);
   return y;
 }

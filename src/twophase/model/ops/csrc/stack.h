@@ -17,8 +17,10 @@ class LinearOp {
            bool batch_invariant, int64_t out_features);
   at::Tensor operator()(const at::Tensor& x) const;  // x fp32 [M, K] -> fp32 [M, N]
   // From min_rows rows on, y = linear(x as w's dtype, w) in float32 (+ bias): a bfloat16 copy [N, K] of the weight
-  // that torch's GEMM runs on AMX / AVX512-BF16, many times the float32 panels' rate for a prefill chunk.
-  void set_gemm_weight(at::Tensor weight, int64_t min_rows);
+  // that torch's GEMM runs on AMX / AVX512-BF16, many times the float32 panels' rate for a prefill chunk. packed
+  // (optional): the same weight reordered by oneDNN (torch.ops.mkldnn._reorder_linear_weight), run by
+  // mkldnn::_linear_pointwise below packed_max_rows rows, where it saves the per-call reorder.
+  void set_gemm_weight(at::Tensor weight, int64_t min_rows, c10::optional<at::Tensor> packed, int64_t packed_max_rows);
 
  private:
   at::Tensor gemm(const at::Tensor& x) const;
@@ -29,6 +31,8 @@ class LinearOp {
   int64_t out_features_;
   at::Tensor gemm_weight_;  // undefined: the kernels at every batch size
   int64_t gemm_min_rows_ = 0;
+  at::Tensor gemm_packed_;  // undefined: at::linear at every row count from gemm_min_rows_
+  int64_t gemm_packed_max_rows_ = 0;
 };
 
 struct StackLayer {
