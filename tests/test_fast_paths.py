@@ -401,7 +401,7 @@ def test_auto_dtype_reads_stored_blocks_in_float32(default_model, tiny_llama_dir
     assert llm_engine.wants_native_weights(EngineConfig(model=str(default_model)), gguf)
 
 
-def test_gemm_weight_takes_rows_from_its_threshold(kernels):
+def test_gemm_weight_takes_rows_from_its_threshold(kernels, monkeypatch):
     """A projection with a bfloat16 GEMM weight (``use_gemm_weights``) gives the panels' bits below the threshold and
     torch's bfloat16 GEMM (rows rounded to bfloat16, float32 out, then the bias) from it, on oneDNN's prepacked copy
     below PREPACKED_MAX_ROWS (its blocking may round differently: within a bfloat16 step of F.linear's) and on the
@@ -426,6 +426,14 @@ def test_gemm_weight_takes_rows_from_its_threshold(kernels):
     invariant = KernelLinear(weight, bias, kernels, batch_invariant=True)
     with pytest.raises(RuntimeError, match="batch_invariant"):
         use_gemm_weights(torch.nn.Sequential(invariant), torch.bfloat16)
+    from twophase.model.ops import linear as linear_module  # a prepacked copy oneDNN refuses: at::linear instead
+
+    monkeypatch.setattr(linear_module, "prepack_for_onednn", lambda weight, rows=32: torch.zeros(3))
+    refused = KernelLinear(weight, bias, kernels)
+    use_gemm_weights(torch.nn.Sequential(refused), torch.bfloat16, min_rows=4)
+    x = torch.randn(17, 96)
+    assert refused.gemm_packed is None
+    assert torch.equal(refused(x), torch.nn.functional.linear(x.bfloat16(), weight.bfloat16()).float() + bias)
 
 
 @pytest.mark.parametrize("fast_bf16", [False, True])

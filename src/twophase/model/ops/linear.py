@@ -369,12 +369,25 @@ def use_gemm_weights(model: nn.Module, dtype: torch.dtype, min_rows: int = GEMM_
     for module in model.modules():
         if isinstance(module, PanelLinear):
             weight = module.unpacked_weight().to(dtype).contiguous()  # [out, in]
-            packed = prepack_for_onednn(weight)
             module.register_buffer("gemm_weight", weight)
-            module.gemm_packed = packed  # an opaque oneDNN tensor: kept alive here, not a state_dict entry
-            module.op.set_gemm_weight(weight, min_rows, packed, PREPACKED_MAX_ROWS if packed is not None else 0)
+            module.gemm_packed = set_gemm_weight(module.op, weight, min_rows)  # opaque: kept alive, not state
             count += 1
     return count
+
+
+def set_gemm_weight(op, weight: torch.Tensor, min_rows: int) -> torch.Tensor | None:
+    """``op.set_gemm_weight`` with oneDNN's reordered copy where one call on it runs (a torch whose
+    ``_linear_pointwise`` takes other arguments keeps ``at::linear`` at every row count); returns that copy or None."""
+    packed = prepack_for_onednn(weight)
+    if packed is not None and min_rows < PREPACKED_MAX_ROWS:
+        op.set_gemm_weight(weight, min_rows, packed, PREPACKED_MAX_ROWS)
+        try:
+            op(torch.zeros(min_rows, weight.shape[1]))  # [min_rows, in]: the prepacked path
+            return packed
+        except RuntimeError:
+            pass
+    op.set_gemm_weight(weight, min_rows, None, 0)
+    return None
 
 
 def check_stored_shape(native: tuple[str, tuple[torch.Tensor, ...]], shape: torch.Size, name: str) -> None:
