@@ -406,7 +406,7 @@ def test_gemm_weight_takes_rows_from_its_threshold(kernels, monkeypatch):
     torch's bfloat16 GEMM (rows rounded to bfloat16, float32 out, then the bias) from it, on oneDNN's prepacked copy
     below PREPACKED_MAX_ROWS (its blocking may round differently: within a bfloat16 step of F.linear's) and on the
     weight itself from there; a batch-invariant one refuses a GEMM weight."""
-    from twophase.model.ops.linear import PREPACKED_MAX_ROWS, use_gemm_weights
+    from twophase.model.ops.gemm import PREPACKED_MAX_ROWS, use_gemm_weights
 
     torch.manual_seed(3)
     weight, bias = torch.randn(50, 96), torch.randn(50)
@@ -426,9 +426,9 @@ def test_gemm_weight_takes_rows_from_its_threshold(kernels, monkeypatch):
     invariant = KernelLinear(weight, bias, kernels, batch_invariant=True)
     with pytest.raises(RuntimeError, match="batch_invariant"):
         use_gemm_weights(torch.nn.Sequential(invariant), torch.bfloat16)
-    from twophase.model.ops import linear as linear_module  # a prepacked copy oneDNN refuses: at::linear instead
+    from twophase.model.ops import gemm  # a prepacked copy oneDNN refuses: at::linear instead
 
-    monkeypatch.setattr(linear_module, "prepack_for_onednn", lambda weight, rows=32: torch.zeros(3))
+    monkeypatch.setattr(gemm, "prepack_for_onednn", lambda weight, rows=32: torch.zeros(3))
     refused = KernelLinear(weight, bias, kernels)
     use_gemm_weights(torch.nn.Sequential(refused), torch.bfloat16, min_rows=4)
     x = torch.randn(17, 96)

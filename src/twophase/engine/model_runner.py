@@ -59,6 +59,7 @@ class RunnerOptions:
     max_num_seqs: int = 64
     deterministic: bool = False  # batch-invariant: every row through the kernels (see model/ops/linear.py)
     gemm_dtype: torch.dtype | None = None  # bfloat16: multi-row projections through torch's GEMM on a bf16 copy
+    # (resolved by llm_engine.resolve_gemm_dtype: never with --deterministic)
 
 
 @dataclass
@@ -101,8 +102,8 @@ class ModelRunner:
         self.dtype = dtype
         self.device = device
         kernels = self._linear_kernels(options)
-        gemm_dtype = options.gemm_dtype if kernels is not None and not options.deterministic else None
-        self.cache_dtype = resolve_cache_dtype(cache_config.cache_dtype, dtype, gemm_dtype)
+        self.gemm_dtype = options.gemm_dtype if kernels is not None else None  # the kernels' op takes the GEMM
+        self.cache_dtype = resolve_cache_dtype(cache_config.cache_dtype, dtype, self.gemm_dtype)
         self.backend = make_attention_backend(
             options.attention_backend, self.local_config.num_attention_heads, self.local_config.num_key_value_heads,
             model_config.head_dim, device, dtype,
@@ -152,12 +153,10 @@ class ModelRunner:
         self.quantization = quantization
         self.linear_kernels = kernels is not None
         self.model.pack(quantization, kernels, native_weights, batch_invariant=options.deterministic)
-        self.gemm_dtype = None
-        if options.gemm_dtype is not None and kernels is not None and not options.deterministic:  # as the cache's
-            from twophase.model.ops.linear import GEMM_MIN_ROWS, use_gemm_weights
+        if self.gemm_dtype is not None:
+            from twophase.model.ops.gemm import use_gemm_weights
 
-            if use_gemm_weights(self.model, options.gemm_dtype, GEMM_MIN_ROWS):
-                self.gemm_dtype, self.gemm_min_rows = options.gemm_dtype, GEMM_MIN_ROWS
+            use_gemm_weights(self.model, self.gemm_dtype)
 
     def _check_batch_invariant(self, kernels) -> None:
         """``deterministic`` runs every op through a kernel whose rows do not see each other; refuse otherwise."""
@@ -208,7 +207,7 @@ class ModelRunner:
         weights = self.quantization if self.quantization != "none" else str(self.dtype).removeprefix("torch.")
         return (
             f"weights {weights} ({'C++ kernels' if self.linear_kernels else 'plain torch'}"
-            + (f"; {str(self.gemm_dtype).removeprefix('torch.')} GEMMs from {self.gemm_min_rows} rows" if self.gemm_dtype else "")
+            + (f"; {str(self.gemm_dtype).removeprefix('torch.')} GEMMs for many rows" if self.gemm_dtype else "")
             + "), attention "
             f"{self.backend.name}, KV cache {self.num_blocks} blocks x {self.block_size} = {tokens} tokens "
             f"({self.kv_cache_bytes / 2**20:.0f} MiB, {str(self.cache_dtype).removeprefix('torch.')}), "

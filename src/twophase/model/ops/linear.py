@@ -10,7 +10,7 @@ Methods (``--quantization`` picks the weight format, the C++ kernels make it fas
   weight loaded from a GGUF file's Q8_0 / Q4_1 blocks stays in those blocks (``BlockPanelLinear``: a quarter of the
   bytes or less to stream) and is widened to float32 panel by panel in the kernel, exactly: the same bits (one row
   without batch invariance multiplies by the blocks' integers instead: within float32 rounding). With
-  ``use_gemm_weights`` (``--gemm-dtype bfloat16``) 16+ rows take torch's bfloat16 GEMM on a copy of the weight.
+  ``gemm.use_gemm_weights`` (``--gemm-dtype bfloat16``) 16+ rows take torch's bfloat16 GEMM on a copy of the weight.
 - ``int8``: weight-only int8 with one float32 scale per output channel (symmetric, round to nearest), in column
   panels through the same kernel (``KernelLinear`` with a scale).
 - ``q8_0`` / ``q4_1``: GGUF's block formats (32 weights per block: ``d·q`` / ``d·q + m``), executed without
@@ -341,57 +341,6 @@ def pack_linear_layers(model: nn.Module, quantization: str, kernels: ModuleType 
                 if weight is None and native is not None:
                     check_stored_shape(native, child.weight.shape, qualified)
                 setattr(parent, name, make_linear(weight, bias, quantization, kernels, native, batch_invariant))
-
-
-# Rows from which a projection with a GEMM weight (``use_gemm_weights``) takes torch's bfloat16 GEMM instead of its
-# panel kernel. SmolLM2's gate/up shape (3072 x 576) on 2 AMX Xeon cores: float32 panels 162 / 217 / 391 / 791 us at
-# 8 / 16 / 32 / 64 rows, the bfloat16 GEMM 216 / 186 / 194 / 339 us (5.6 ms against 1.2 ms at 512).
-GEMM_MIN_ROWS = 16
-# Rows below which the GEMM runs on a copy oneDNN reordered once (``prepack_for_onednn``) instead of reordering the
-# weight on every call: same shapes, 2 threads, bfloat16, packed for 32 rows: 3072 x 576 at 16 / 32 / 64 rows
-# 96 / 126 / 223 us against 156 / 189 / 273, the same bits; at 544 rows 1,070 against 1,143 us, but 576 x 1536
-# 820 against 668 us (and other bits), so prefill chunks keep at::linear.
-PREPACKED_MAX_ROWS = 128
-
-
-def prepack_for_onednn(weight: torch.Tensor, rows: int = 32) -> torch.Tensor | None:
-    """``weight`` [out, in] reordered into oneDNN's blocked layout for about ``rows`` rows
-    (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's freezing uses); None where torch has no oneDNN."""
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-    except (AttributeError, RuntimeError):
-        return None
-
-
-def use_gemm_weights(model: nn.Module, dtype: torch.dtype, min_rows: int = GEMM_MIN_ROWS) -> int:
-    """Give every panel-kernel projection of ``model`` a ``dtype`` copy of its weight [out, in] that torch's GEMM
-    runs from ``min_rows`` rows on (``LinearOp.set_gemm_weight``: prefill chunks and wide decode steps, on AMX /
-    AVX512-BF16 many times the float32 kernels' rate; rows rounded to ``dtype``, results float32), below
-    ``PREPACKED_MAX_ROWS`` rows on oneDNN's reordered copy. Fewer rows keep the panels (batch-1 decode reads the
-    blocks). Returns how many projections took one."""
-    count = 0
-    for module in model.modules():
-        if isinstance(module, PanelLinear):
-            weight = module.unpacked_weight().to(dtype).contiguous()  # [out, in]
-            module.register_buffer("gemm_weight", weight)
-            module.gemm_packed = set_gemm_weight(module.op, weight, min_rows)  # opaque: kept alive, not state
-            count += 1
-    return count
-
-
-def set_gemm_weight(op, weight: torch.Tensor, min_rows: int) -> torch.Tensor | None:
-    """``op.set_gemm_weight`` with oneDNN's reordered copy where one call on it runs (a torch whose
-    ``_linear_pointwise`` takes other arguments keeps ``at::linear`` at every row count); returns that copy or None."""
-    packed = prepack_for_onednn(weight)
-    if packed is not None and min_rows < PREPACKED_MAX_ROWS:
-        op.set_gemm_weight(weight, min_rows, packed, PREPACKED_MAX_ROWS)
-        try:
-            op(torch.zeros(min_rows, weight.shape[1]))  # [min_rows, in]: the prepacked path
-            return packed
-        except RuntimeError:
-            pass
-    op.set_gemm_weight(weight, min_rows, None, 0)
-    return None
 
 
 def check_stored_shape(native: tuple[str, tuple[torch.Tensor, ...]], shape: torch.Size, name: str) -> None:

@@ -335,6 +335,7 @@ struct PQ8_0 {
   static constexpr int64_t block_bytes = 2 * kPanel + QK * kPanel;
   static const uint16_t* d_of(const uint8_t* blk) { return reinterpret_cast<const uint16_t*>(blk); }
   static const int8_t* q_of(const uint8_t* blk) { return reinterpret_cast<const int8_t*>(blk + 2 * kPanel); }
+  static constexpr bool has_min = false;
 #if defined(__AVX2__) && defined(__F16C__)
   struct Scales {
     __m256 d[3];
@@ -342,7 +343,6 @@ struct PQ8_0 {
       for (int c = 0; c < 3; ++c) d[c] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(d_of(blk) + 8 * c)));
     }
   };
-  static constexpr bool has_min = false;
   static void ints(const uint8_t* blk, int64_t k, int c, __m256& q0, __m256& q1) {  // q of k, k + 1 as float32
     auto row = [&](int64_t kk) {
       const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q_of(blk) + kk * kPanel + 8 * c));
@@ -365,6 +365,7 @@ struct PQ4_1 {
   static const uint16_t* d_of(const uint8_t* blk) { return reinterpret_cast<const uint16_t*>(blk); }
   static const uint16_t* m_of(const uint8_t* blk) { return d_of(blk) + kPanel; }
   static const uint8_t* q_of(const uint8_t* blk) { return blk + 4 * kPanel; }
+  static constexpr bool has_min = true;  // Q4_1's min term (block_row_folded)
 #if defined(__AVX2__) && defined(__F16C__)
   struct Scales {
     __m256 d[3], m[3];
@@ -375,7 +376,6 @@ struct PQ4_1 {
       }
     }
   };
-  static constexpr bool has_min = true;
   static void ints(const uint8_t* blk, int64_t k, int c, __m256& q0, __m256& q1) {  // q of k, k + 1 as float32
     const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q_of(blk) + k / 2 * kPanel + 8 * c));
     const __m256i v = _mm256_cvtepu8_epi32(b);
@@ -475,6 +475,13 @@ inline void panel_tile(const float* xp, const typename W::T* wp, int64_t K, floa
 #endif
 }
 
+// AVX-512 F + DQ (DQ: the 256-bit halves' insert / extract): panel_run takes pairs of panels (panel_pair_tile8).
+#if defined(__AVX512F__) && defined(__AVX512DQ__)
+#define TP_PAIR_TILES 1
+#else
+#define TP_PAIR_TILES 0
+#endif
+
 // AVX-512: 8 rows of two adjacent panels (48 columns) of float32 weights in 24 zmm accumulators. Per k: columns
 // 0-15 of each panel in one zmm each, the two panels' columns 16-23 together in a third, and each row's x broadcast
 // into the three (the tail of panel a in the low half, of panel b in the high half). 24 FMAs per 4 loads and 8
@@ -482,7 +489,7 @@ inline void panel_tile(const float* xp, const typename W::T* wp, int64_t K, floa
 // SmolLM2's gate/up shape at 512 rows on 2 Xeon cores with AVX512 (standalone copy), 180 -> 300 GFLOP/s.
 // Every output is the same FMA chain over k = 0..K-1 as in panel_tile, so the bits are panel_tile's.
 // xa, xb: two full 4-row blocks of x packed k-major; wa, wb: the panels; acc_a / acc_b: their 8 x 24 results.
-#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: the 256-bit halves (insert / extract)
+#if TP_PAIR_TILES
 inline void panel_pair_tile8(const float* xa, const float* xb, const float* wa, const float* wb, int64_t K,
                              float (&acc_a)[8][kPanel], float (&acc_b)[8][kPanel]) {
   const __m512 zero = _mm512_setzero_ps();
@@ -696,12 +703,7 @@ constexpr int64_t kPanelRowChunk = 256;
 // Groups of panels per thread that one projection is cut into for dynamic scheduling (see panel_run).
 constexpr int64_t kPanelGroupsPerThread = 8;
 
-// Whether panel_run takes pairs of panels through panel_pair_tile8 (AVX-512 F + DQ builds).
-#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: the 256-bit halves (insert / extract)
-constexpr bool kPairTiles = true;
-#else
-constexpr bool kPairTiles = false;
-#endif
+constexpr bool kPairTiles = TP_PAIR_TILES;  // whether panel_run takes pairs of panels (panel_pairs)
 
 // Rows c0 .. c1 of the whole pairs of panels in q0 .. q1, float32 weights (W itself, or widened into wf, room for
 // two panels): 8 rows at a time by panel_pair_tile8, the rows left by panel_tile per panel. Returns the first
@@ -710,7 +712,7 @@ template <class W>
 int64_t panel_pairs(const PanelProblem<W>& p, const float* xp, int64_t c0, int64_t c1, int64_t q0, int64_t q1,
                     float* wf) {
   int64_t q = q0;
-#if defined(__AVX512F__) && defined(__AVX512DQ__)  // DQ: the 256-bit halves (insert / extract)
+#if TP_PAIR_TILES
   for (; q + 2 <= q1; q += 2) {
     const typename W::T* wq = p.panels + q * panel_stride<W>(p.K);
     const float *fa, *fb;
@@ -753,7 +755,7 @@ void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
   const bool two_chains = p.M == 1 && !batch_invariant;
   const float* xsum = nullptr;  // block_row_folded's block sums of the one row
   if constexpr (BlockPanel<W>::value) {
-    if (two_chains) xsum = block_sums(x, p.K);
+    if (W::has_min && two_chains) xsum = block_sums(x, p.K);
   }
   // bfloat16 / int8 panels for more than kConvertRows rows: converted to float32 once per panel and pass, not once
   // per 4-row tile (int8 converts in 3 instructions per 8 weights, in every tile). The conversion is exact, so
@@ -762,8 +764,10 @@ void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
   // except one row without batch invariance (block_row_folded, never widened).
   constexpr bool convertible = !std::is_same_v<W, WF32>, blocks = BlockPanel<W>::value;
   auto converted = [&] {
-    return convertible && ((blocks && !two_chains) || p.M > kConvertRows) ? thread_scratch<1>(2 * p.K * kPanel)
-                                                                          : nullptr;
+    const int64_t panels_at_once = kPairTiles ? 2 : 1;  // panel_pairs widens two
+    return convertible && ((blocks && !two_chains) || p.M > kConvertRows)
+               ? thread_scratch<1>(panels_at_once * p.K * kPanel)
+               : nullptr;
   };
   const int64_t chunks = (p.M + kPanelRowChunk - 1) / kPanelRowChunk;
   dynamic_for(groups * chunks, converted, [&](int64_t item, float* wf) {
