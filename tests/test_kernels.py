@@ -374,6 +374,25 @@ def test_fused_rotary_cache(rows: int, dtype: torch.dtype, cache_dtype: torch.dt
     assert (caches[2][untouched] == 7.0).all()  # only the given slots are written
 
 
+def test_bfloat16_cache_write_rounds_every_value_as_torch() -> None:
+    """The vector float32 -> bfloat16 store (v rows into a bfloat16 cache): ties to even, subnormals kept (not
+    flushed, as AVX512-BF16's instruction would), infinities and overflow to inf, NaN kept NaN."""
+    heads, kv_heads, d = 1, 1, 64
+    special = torch.tensor([1.0 + 2**-8, 1.0 + 3 * 2**-8, -(1.0 + 2**-8), 1e-40, -1e-40, 2**-130, 3.4e38,
+                            float("inf"), float("-inf"), float("nan"), 0.0, -0.0, 1.00390625, 65504.0, 1e-3, -7.5])  # fmt: skip
+    v = torch.cat([special, torch.randn(d - special.numel(), generator=torch.Generator().manual_seed(0)) * 100])
+    qkv = torch.zeros(1, (heads + 2 * kv_heads) * d)
+    qkv[0, (heads + kv_heads) * d :] = v
+    rotary = RotaryEmbedding(_RopeConfig, 16)
+    caches = torch.zeros(4, kv_heads, d, dtype=torch.bfloat16), torch.zeros(4, kv_heads, d, dtype=torch.bfloat16)
+    FUSED.rotary_cache_(qkv, Rope(torch.tensor([3]), rotary.cos, rotary.sin, None, None), *caches, torch.tensor([2]),
+                        heads, kv_heads)  # fmt: skip
+    stored, want = caches[1][2, 0], v.to(torch.bfloat16)
+    nan = want.isnan()
+    assert torch.equal(stored.isnan(), nan)
+    assert torch.equal(stored[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
 def test_fused_rotary_cache_rejects_bad_slot() -> None:
     qkv = torch.zeros(1, 15 * 64)
     rotary = RotaryEmbedding(_RopeConfig, 16)

@@ -84,11 +84,6 @@ inline void widen_rows(const uint16_t* const* rows, int64_t n, int64_t D, float*
   for (int64_t j = 0; j < n; ++j) convert(buf + j * D, rows[j], D), out[j] = buf + j * D;
 }
 
-#ifdef __AVX2__
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) { return load_bf16x8(p); }
-#endif
-
 // A row's n values from d0 as float32: the row itself, or its bfloat16 values widened into buf.
 inline const float* row_f32(const float* row, int64_t d0, int64_t, float*) { return row + d0; }
 inline const float* row_f32(const uint16_t* row, int64_t d0, int64_t n, float* buf) {

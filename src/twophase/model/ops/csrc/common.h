@@ -68,10 +68,7 @@ inline float half_to_f32(uint16_t h) {
 // rounded to nearest even into bfloat16 (as torch's .to(torch.bfloat16)).
 inline void convert(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, n * sizeof(float)); }
 inline void convert(uint16_t* dst, const uint16_t* src, int64_t n) { std::memcpy(dst, src, n * sizeof(uint16_t)); }
-inline void convert(uint16_t* dst, const float* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
-}
-// (float32 from bfloat16: after the AVX2 helpers below)
+// (float32 to and from bfloat16: after the AVX2 helpers below)
 
 #ifdef __AVX2__
 inline float hsum(__m256 v) {
@@ -96,6 +93,10 @@ inline __m256 load_bf16x8(const uint16_t* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(v), 16));
 }
 
+// 8 floats from float32 or bfloat16 values
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) { return load_bf16x8(p); }
+
 // exp(x) for x <= 0 region mostly (Cephes-style polynomial, ~1-2 ulp); clamps to avoid inf/denormals.
 inline __m256 exp256(__m256 x) {
   const __m256 hi = _mm256_set1_ps(88.3762626647949f);
@@ -118,6 +119,30 @@ inline __m256 exp256(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 #endif
+
+#ifdef __AVX2__
+// f32_to_bf16 of 8 floats (the same bits, NaN and subnormals included: AVX512-BF16's vcvtneps2bf16 would flush
+// subnormal inputs to zero).
+inline __m128i bf16x8_of(__m256 f) {
+  const __m256i u = _mm256_castps_si256(f);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff)),
+                                         _mm256_set1_epi32(0x7f800000));
+  r = _mm256_blendv_epi8(r, _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40)), nan);
+  const __m256i packed = _mm256_packus_epi32(r, r);  // [r0..r3 r0..r3 | r4..r7 r4..r7] as 16-bit lanes
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  // qwords 0 and 2: r0..r7
+}
+#endif
+
+inline void convert(uint16_t* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  for (; i + 8 <= n; i += 8)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bf16x8_of(_mm256_loadu_ps(src + i)));
+#endif
+  for (; i < n; ++i) dst[i] = f32_to_bf16(src[i]);
+}
 
 inline void convert(float* dst, const uint16_t* src, int64_t n) {
   int64_t i = 0;
