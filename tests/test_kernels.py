@@ -287,6 +287,30 @@ def test_paged_attention_bf16_q_out() -> None:
     torch.testing.assert_close(out.double(), ref, rtol=8e-3, atol=8e-3)
 
 
+@pytest.mark.parametrize("block_size", [16, 7])
+def test_paged_attention_dense_prefill(block_size: int) -> None:
+    """Requests with at least ``dense_min_queries`` queries through torch's bfloat16 SDPA: a first chunk (plain
+    causal) and a chunk after 70 cached keys (causal at the lower right) against the float64 reference within
+    bfloat16's rounding of the queries; the other requests' rows are the kernel's own, bit for bit."""
+    q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(torch.bfloat16, block_size, seed=9,
+                                                          extra_decodes=_many_decodes(), dim=64)
+    kc, vc = kc.contiguous(), vc.contiguous()  # the dense path views the cache as blocks
+    ref = reference_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, qsl, block_size)
+    kernel_only, dense = torch.empty_like(q), torch.full_like(q, float("nan"))
+    K.paged_attention(kernel_only, q, kc, vc, tables, seq_lens, qsl, block_size, scale)
+    K.paged_attention(dense, q, kc, vc, tables, seq_lens, qsl, block_size, scale, dense_min_queries=16)
+    q_lens = (qsl[1:] - qsl[:-1]).tolist()
+    for r, q_len in enumerate(q_lens):
+        rows = slice(int(qsl[r]), int(qsl[r + 1]))
+        if q_len >= 16:
+            # queries and probabilities rounded to bfloat16 (2**-9 relative): scores of |q.k| <~ 10 move by <~ 0.02
+            torch.testing.assert_close(dense[rows].double(), ref[rows], rtol=0, atol=2e-2)
+            assert not torch.equal(dense[rows], kernel_only[rows])  # it did take the other path
+        else:
+            assert torch.equal(dense[rows], kernel_only[rows]), f"request {r}"
+    assert sum(q_len >= 16 for q_len in q_lens) == 2  # the chunk after 70 keys and the 16-token prompt
+
+
 def test_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(extension.DISABLE_ENV, "1")
     assert extension.load_kernels.__wrapped__() is None

@@ -106,7 +106,7 @@ class ModelRunner:
         self.cache_dtype = resolve_cache_dtype(cache_config.cache_dtype, dtype, self.gemm_dtype)
         self.backend = make_attention_backend(
             options.attention_backend, self.local_config.num_attention_heads, self.local_config.num_key_value_heads,
-            model_config.head_dim, device, dtype,
+            model_config.head_dim, device, dtype, dense_prefill=self.cache_dtype == self.gemm_dtype == torch.bfloat16,
         )  # fmt: skip
         self.model = build_model(self.local_config, max_model_len, dtype, device, self.backend)
         skipped = set()

@@ -46,10 +46,12 @@ def build_decoder_stack(model: Any, kernels: ModuleType | None) -> Any | None:
     if len(eps | {model.norm.eps}) != 1:
         return None
     config = model.config
-    return kernels.DecoderStack(
+    stack = kernels.DecoderStack(
         layers, model.norm.weight.data, model.norm.eps, config.num_attention_heads, config.num_key_value_heads,
         config.head_dim, model.rotary.cos, model.rotary.sin,
     )  # fmt: skip
+    stack.set_dense_attention(model.backend.dense_min_queries)
+    return stack
 
 
 def _stack_layer(layer: Any, kernels: ModuleType) -> Any | None:

@@ -33,7 +33,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("m"), py::arg("bias") = py::none());
   m.def("paged_attention", &tp::paged_attention, "varlen causal attention over a paged KV cache", py::arg("out"),
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
-        py::arg("query_start_loc"), py::arg("block_size"), py::arg("scale"));
+        py::arg("query_start_loc"), py::arg("block_size"), py::arg("scale"), py::arg("dense_min_queries") = 0);
   m.def("rms_norm", &tp::rms_norm, "weight * rms_norm(x)", py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("add_rms_norm_", &tp::add_rms_norm_, "in place: residual += x; x = weight * rms_norm(residual)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
@@ -64,6 +64,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("layers"), py::arg("final_norm"), py::arg("eps"), py::arg("heads"), py::arg("kv_heads"),
            py::arg("head_dim"), py::arg("cos"), py::arg("sin"))
       .def("set_kv_caches", &tp::DecoderStack::set_kv_caches, py::arg("k_caches"), py::arg("v_caches"))
+      .def("set_dense_attention", &tp::DecoderStack::set_dense_attention, py::arg("min_queries"))
       .def("forward", &tp::DecoderStack::forward, py::arg("residual"), py::arg("positions"), py::arg("slots"),
            py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("block_size"),
            py::call_guard<py::gil_scoped_release>());

@@ -40,7 +40,7 @@ at::Tensor linear_q4_1(const at::Tensor& x, const at::Tensor& qs, const at::Tens
                        const c10::optional<at::Tensor>& bias);
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     int64_t block_size, double scale);
+                     int64_t block_size, double scale, int64_t dense_min_queries = 0);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);

@@ -46,6 +46,9 @@ class DecoderStack {
                int64_t head_dim, at::Tensor cos, at::Tensor sin);
   // The K/V caches of every layer ([slots, KVH, D] each), kept until replaced.
   void set_kv_caches(std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches);
+  // Requests with at least min_queries queries attend through torch's SDPA in bfloat16 (paged_attention's
+  // dense_min_queries; 0: never).
+  void set_dense_attention(int64_t min_queries) { dense_min_queries_ = min_queries; }
   // residual [T, hidden] fp32 (the embeddings; updated in place) -> the final norm of the last residual [T, hidden].
   at::Tensor forward(at::Tensor residual, const at::Tensor& positions, const at::Tensor& slots,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
@@ -57,6 +60,7 @@ class DecoderStack {
   double eps_;
   int64_t heads_, kv_heads_, head_dim_;
   std::vector<at::Tensor> k_caches_, v_caches_;
+  int64_t dense_min_queries_ = 0;
 };
 
 }  // namespace tp
