@@ -153,6 +153,105 @@ inline void accumulate(float* acc, float alpha, const float* p, const T* const* 
   }
 }
 
+// Query rows that share one key chunk (one query's heads of a kv head) are scored and accumulated up to this many at a
+// time, each key or value slab widened once for all of them; each row's arithmetic stays scores()' / accumulate()'s
+// own (the same FMA chains in the same order), so grouping never changes a bit. accumulate's group keeps 8 slabs x
+// rows in registers: three rows need AVX-512's 32 vector registers.
+constexpr int GROUP_ROWS = 3;
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+constexpr int ACCUMULATE_GROUP_ROWS = GROUP_ROWS;
+#else
+constexpr int ACCUMULATE_GROUP_ROWS = 1;
+#endif
+
+#ifdef __AVX2__
+// scores() for R rows at D == 64: s[r][j] = q[r] . K[j] (rows of q and s KEY_CHUNK / 64 apart); mx[r] = max_j.
+template <int R, class T>
+inline void scores_d64(const float* q, const T* const* K, int64_t n, float* s, float* mx) {
+  __m128 m[R];
+  for (int r = 0; r < R; ++r) m[r] = _mm_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < n; j += 4) {
+    const T* k[4] = {K[j], K[std::min(j + 1, n - 1)], K[std::min(j + 2, n - 1)], K[std::min(j + 3, n - 1)]};
+    __m256 part[R][4];
+    for (int t = 0; t < 4; ++t) {
+      __m256 kd = load8(k[t]);
+      for (int r = 0; r < R; ++r) part[r][t] = _mm256_mul_ps(_mm256_loadu_ps(q + r * 64), kd);
+      for (int d = 1; d < 8; ++d) {
+        kd = load8(k[t] + 8 * d);
+        for (int r = 0; r < R; ++r) part[r][t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * 64 + 8 * d), kd, part[r][t]);
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(part[r][0], part[r][1]), _mm256_hadd_ps(part[r][2], part[r][3]));
+      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      _mm_storeu_ps(s + r * KEY_CHUNK + j, s4);
+      m[r] = _mm_max_ps(m[r], s4);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    __m128 v = _mm_max_ps(m[r], _mm_movehl_ps(m[r], m[r]));
+    mx[r] = _mm_cvtss_f32(_mm_max_ss(v, _mm_movehdup_ps(v)));
+  }
+}
+
+// accumulate() for R rows at D == 64: acc[r] = acc[r] * alpha[r] + sum_j p[r][j] * V[j] (rows of acc 64 apart, of
+// p KEY_CHUNK apart).
+template <int R, class T>
+inline void accumulate_d64(float* acc, const float* alpha, const float* p, const T* const* V, int64_t n) {
+  __m256 a[R][8];
+  for (int r = 0; r < R; ++r)
+    for (int d = 0; d < 8; ++d) a[r][d] = _mm256_mul_ps(_mm256_set1_ps(alpha[r]), _mm256_loadu_ps(acc + r * 64 + 8 * d));
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 pj[R];
+    for (int r = 0; r < R; ++r) pj[r] = _mm256_set1_ps(p[r * KEY_CHUNK + j]);
+    for (int d = 0; d < 8; ++d) {
+      const __m256 v = load8(V[j] + 8 * d);
+      for (int r = 0; r < R; ++r) a[r][d] = _mm256_fmadd_ps(pj[r], v, a[r][d]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int d = 0; d < 8; ++d) _mm256_storeu_ps(acc + r * 64 + 8 * d, a[r][d]);
+}
+#endif
+
+// Rows r0 .. r0 + R - 1 (R <= GROUP_ROWS, one query's heads: the same nv keys) over keys p0 .. p0 + nv - 1: scores,
+// the online softmax update, and the values.
+template <class T>
+inline void attend_rows(const T* const* K, const T* const* V, int64_t r0, int R, int64_t nv, int64_t D, Scratch& sc) {
+  float mx[GROUP_ROWS], alpha[GROUP_ROWS];
+  float* s = sc.s.data() + r0 * KEY_CHUNK;
+  float* q = sc.q.data() + r0 * D;
+  float* acc = sc.acc.data() + r0 * D;
+#ifdef __AVX2__
+  if (D == 64) {
+    switch (R) {
+      case 1: scores_d64<1>(q, K, nv, s, mx); break;
+      case 2: scores_d64<2>(q, K, nv, s, mx); break;
+      default: scores_d64<3>(q, K, nv, s, mx); break;
+    }
+  } else
+#endif
+    for (int r = 0; r < R; ++r) mx[r] = scores(q + r * D, K, nv, D, s + r * KEY_CHUNK, sc.row.data());
+  for (int r = 0; r < R; ++r) {
+    const int64_t rr = r0 + r;
+    const float m_new = std::max(sc.m[rr], mx[r]);
+    alpha[r] = std::exp(sc.m[rr] - m_new);  // 0 on the first chunk (m = -inf)
+    const float psum = exp_sub_sum(s + r * KEY_CHUNK, s + r * KEY_CHUNK, m_new, nv);
+    sc.l[rr] = sc.l[rr] * alpha[r] + psum;
+    sc.m[rr] = m_new;
+  }
+#ifdef __AVX2__
+  if (D == 64 && ACCUMULATE_GROUP_ROWS == GROUP_ROWS) {
+    switch (R) {
+      case 1: accumulate_d64<1>(acc, alpha, s, V, nv); return;
+      case 2: accumulate_d64<2>(acc, alpha, s, V, nv); return;
+      default: accumulate_d64<ACCUMULATE_GROUP_ROWS>(acc, alpha, s, V, nv); return;
+    }
+  }
+#endif
+  for (int r = 0; r < R; ++r) accumulate(acc + r * D, alpha[r], s + r * KEY_CHUNK, V, nv, D, sc.row.data());
+}
+
 // One work item: for each kv head g of [kv0, kv1), its (q1-q0) queries x groups heads; online softmax over key
 // chunks, every kv head's rows of a chunk before the next chunk. Row rr = ((g - kv0) * (q1-q0) + i - q0) * G + gh.
 // Each row's arithmetic is the same whatever the item's shape (batch invariance).
@@ -189,18 +288,15 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
     if (pull) pull_slots(Kslot, Vslot, n, static_cast<int64_t>((w.kv1 - w.kv0) * D * sizeof(T)));
     for (int64_t g = w.kv0; g < w.kv1; ++g) {
       // The rows of kv head g over keys p0 .. p0 + n - 1, K and V rows given as float32 or bfloat16 pointers.
+      // Rows come G to a query (rr = ... + (i - q0) * G + gh), taken up to GROUP_ROWS at a time within a query.
       auto attend_head = [&](const auto* const* K, const auto* const* V) {
-        for (int64_t rr = (g - w.kv0) * per_head; rr < (g - w.kv0 + 1) * per_head; ++rr) {
+        const int64_t begin = (g - w.kv0) * per_head;
+        for (int64_t rr = begin; rr < begin + per_head;) {
+          const int64_t query_end = rr - (rr - begin) % G + G;
+          const int R = static_cast<int>(std::min<int64_t>(GROUP_ROWS, query_end - rr));
           const int64_t nv = std::min(n, sc.pos[rr] - p0 + 1);  // causal: keys p0..pos
-          if (nv <= 0) continue;
-          float* s = sc.s.data() + rr * KEY_CHUNK;
-          const float mx = scores(sc.q.data() + rr * D, K, nv, D, s, sc.row.data());
-          const float m_new = std::max(sc.m[rr], mx);
-          const float alpha = std::exp(sc.m[rr] - m_new);  // 0 on the first chunk (m = -inf)
-          const float psum = exp_sub_sum(s, s, m_new, nv);
-          sc.l[rr] = sc.l[rr] * alpha + psum;
-          sc.m[rr] = m_new;
-          accumulate(sc.acc.data() + rr * D, alpha, s, V, nv, D, sc.row.data());
+          if (nv > 0) attend_rows(K, V, rr, R, nv, D, sc);
+          rr += R;
         }
       };
       const T* K[KEY_CHUNK];
