@@ -233,6 +233,27 @@ def test_decoder_stack_is_bit_identical_to_the_python_layer_loop(fixture, quanti
     assert [o.logprobs for o in ours] == [o.logprobs for o in theirs]
 
 
+def test_decoder_stack_is_bit_identical_to_the_loop_under_bfloat16_gemms(tiny_llama_dir):
+    """With bfloat16 GEMM copies the stack hands gate_up's bfloat16 result to SiLU-and-mul unwidened
+    (``silu_and_mul_widened``) where the loop widens it, then rounds the float32 product for down's GEMM: the same
+    logits bit for bit, over 70 rows (GEMMs) and a 50-token prompt (the SDPA prefill)."""
+    prompts = [[(7 * i) % 60 + 2 for i in range(50)], [3] * 20]
+    stacked = make_llm(tiny_llama_dir, dtype="float32", gemm_dtype="bfloat16")
+    looped = make_llm(tiny_llama_dir, dtype="float32", gemm_dtype="bfloat16")
+    looped.engine.model_runner.model.stack = False
+    assert stacked.engine.model_runner.gemm_dtype == torch.bfloat16
+    for ours, theirs in zip(packed_logits(stacked, prompts), packed_logits(looped, prompts)):
+        assert torch.equal(ours, theirs)
+    assert stacked.engine.model_runner.model.stack
+
+
+def test_silu_and_mul_widened_rounds_the_float32_result_once(kernels):
+    g = torch.Generator().manual_seed(2)
+    gate_up = (torch.randn(33, 2 * 203, generator=g) * 4).bfloat16()  # F = 203: vector rows and a scalar tail
+    expected = kernels.silu_and_mul(gate_up.float()).bfloat16()
+    assert torch.equal(kernels.silu_and_mul_widened(gate_up), expected)
+
+
 def test_decoder_stack_stands_aside_where_an_op_has_no_kernel(tiny_llama_dir):
     """The torch attention reference, float64 and more rows than the quantized kernels take all run the Python loop."""
     reference = make_llm(tiny_llama_dir, dtype="float32", attention_backend="torch")

@@ -38,6 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_", &tp::add_rms_norm_, "in place: residual += x; x = weight * rms_norm(residual)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
   m.def("silu_and_mul", &tp::silu_and_mul, "silu(gate) * up of gate_up [T, 2F]", py::arg("gate_up"));
+  m.def("silu_and_mul_widened", &tp::silu_and_mul_widened,
+        "silu(gate) * up of bfloat16 gate_up [T, 2F] in float32, rounded once to bfloat16", py::arg("gate_up"));
   m.def("rotary_cache_", &tp::rotary_cache_, "rotate q/k heads of qkv in place, store k/v into the cache",
         py::arg("qkv"), py::arg("positions"), py::arg("cos"), py::arg("sin"), py::arg("k_cache"),
         py::arg("v_cache"), py::arg("slots"), py::arg("heads"), py::arg("kv_heads"));

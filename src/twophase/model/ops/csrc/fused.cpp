@@ -126,6 +126,28 @@ void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
   });
 }
 
+// silu(gate) * up in float32 of bfloat16 gate_up [T, 2F], rounded once to bfloat16 [T, F]: silu_mul_impl<float>'s
+// arithmetic on the widened values, then the rounding torch's .to(torch.bfloat16) of its result would apply.
+void silu_mul_widened(const at::Tensor& gu, at::Tensor& out) {
+  const int64_t f = out.size(1);
+  const uint16_t* gp = ptr<uint16_t>(gu);
+  uint16_t* op = ptr<uint16_t>(out);
+  for_rows(out.size(0), f, [&](int64_t r) {
+    const uint16_t *g = gp + r * 2 * f, *u = g + f;
+    uint16_t* o = op + r * f;
+    int64_t i = 0;
+#ifdef __AVX2__
+    for (; i + 8 <= f; i += 8)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(o + i),
+                       bf16x8_of(_mm256_mul_ps(silu8(load_bf16x8(g + i)), load_bf16x8(u + i))));
+#endif
+    for (; i < f; ++i) {
+      const float v = bf16_to_f32(g[i]);
+      o[i] = f32_to_bf16(v / (1.0f + std::exp(-v)) * bf16_to_f32(u[i]));
+    }
+  });
+}
+
 // One head row x[D] rotated in place: x*cos + roll(x, D/2)*signed_sin, each product rounded as T.
 // d is even (rotate_half's halves); the two halves' loops have no index arithmetic, so they vectorise.
 template <class T>
@@ -205,6 +227,16 @@ at::Tensor silu_and_mul(const at::Tensor& gate_up) {
   if (gate_up.scalar_type() == at::kFloat) silu_mul_impl<float>(gate_up, out);
   else if (gate_up.scalar_type() == at::kBFloat16) silu_mul_impl<uint16_t>(gate_up, out);
   else TORCH_CHECK(false, "silu_and_mul: float32 or bfloat16");
+  return out;
+}
+
+// bfloat16 gate_up [T, 2F] -> bfloat16 silu(gate) * up [T, F], in float32 and rounded once (for a bfloat16 GEMM next).
+at::Tensor silu_and_mul_widened(const at::Tensor& gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % 2 == 0 &&
+                  gate_up.scalar_type() == at::kBFloat16,
+              "silu_and_mul_widened: gate_up must be a contiguous bfloat16 [T, 2F] tensor");
+  auto out = at::empty({gate_up.size(0), gate_up.size(1) / 2}, gate_up.options());
+  silu_mul_widened(gate_up, out);
   return out;
 }
 

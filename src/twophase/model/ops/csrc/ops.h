@@ -44,6 +44,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
+at::Tensor silu_and_mul_widened(const at::Tensor& gate_up);
 void rotary_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,
                    at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots, int64_t heads,
                    int64_t kv_heads);

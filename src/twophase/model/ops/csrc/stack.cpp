@@ -50,10 +50,19 @@ at::Tensor linear_prepacked(const at::Tensor& x, const at::Tensor& packed) {
 }
 }  // namespace
 
-at::Tensor LinearOp::gemm(const at::Tensor& x) const {
+at::Tensor LinearOp::gemm_unwidened(const at::Tensor& x) const {
   const at::Tensor xg = x.to(gemm_weight_.scalar_type());  // [M, K]
   const bool prepacked = gemm_packed_.defined() && x.size(0) < gemm_packed_max_rows_;
-  at::Tensor y = (prepacked ? linear_prepacked(xg, gemm_packed_) : at::linear(xg, gemm_weight_)).to(at::kFloat);
+  return prepacked ? linear_prepacked(xg, gemm_packed_) : at::linear(xg, gemm_weight_);
+}
+
+bool LinearOp::gives_bfloat16(int64_t rows) const {
+  return gemm_weight_.defined() && rows >= gemm_min_rows_ && gemm_weight_.scalar_type() == at::kBFloat16 &&
+         !(bias_.has_value() && bias_->defined());
+}
+
+at::Tensor LinearOp::gemm(const at::Tensor& x) const {
+  at::Tensor y = gemm_unwidened(x).to(at::kFloat);
   if (bias_.has_value() && bias_->defined()) y.add_(*bias_);
   return y;
 }
@@ -85,6 +94,16 @@ void DecoderStack::set_kv_caches(std::vector<at::Tensor> k_caches, std::vector<a
   v_caches_ = std::move(v_caches);
 }
 
+// down(silu_and_mul(gate_up(h))): [T, hidden] -> [T, 2F] -> [T, F] -> [T, hidden]. Where both GEMMs run in bfloat16,
+// gate_up's bfloat16 result goes to SiLU-and-mul unwidened and comes out in bfloat16 for down's GEMM, the values
+// the widened path rounds to (bit for bit) without two float32 [T, 2F] / [T, F] tensors and their conversions.
+at::Tensor DecoderStack::mlp(const StackLayer& layer, const at::Tensor& h) const {
+  const int64_t T = h.size(0);
+  if (layer.gate_up.gives_bfloat16(T) && layer.down.gives_bfloat16(T))
+    return layer.down(tp::silu_and_mul_widened(layer.gate_up.gemm_unwidened(h)));
+  return layer.down(tp::silu_and_mul(layer.gate_up(h)));
+}
+
 at::Tensor DecoderStack::forward(at::Tensor residual, const at::Tensor& positions, const at::Tensor& slots,
                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                  const at::Tensor& query_start_loc, int64_t block_size) {
@@ -105,7 +124,7 @@ at::Tensor DecoderStack::forward(at::Tensor residual, const at::Tensor& position
                         scale, dense_min_queries_);
     h = layer.o(attn.view({T, q_size}));  // [T, hidden]
     tp::add_rms_norm_(h, residual, layer.post_norm, eps_);
-    h = layer.down(tp::silu_and_mul(layer.gate_up(h)));  // [T, 2F] -> [T, F] -> [T, hidden]
+    h = mlp(layer, h);
     const at::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
     tp::add_rms_norm_(h, residual, next_norm, eps_);
   }

@@ -21,6 +21,10 @@ class LinearOp {
   // (optional): the same weight reordered by oneDNN (torch.ops.mkldnn._reorder_linear_weight), run by
   // mkldnn::_linear_pointwise below packed_max_rows rows, where it saves the per-call reorder.
   void set_gemm_weight(at::Tensor weight, int64_t min_rows, c10::optional<at::Tensor> packed, int64_t packed_max_rows);
+  // Whether `rows` rows take the GEMM on the weight copy, with a bfloat16 result before widening (no bias to add).
+  bool gives_bfloat16(int64_t rows) const;
+  // The GEMM's own result [M, N] in the copy's dtype (x in any float dtype): operator()'s values before widening.
+  at::Tensor gemm_unwidened(const at::Tensor& x) const;
 
  private:
   at::Tensor gemm(const at::Tensor& x) const;
@@ -55,6 +59,7 @@ class DecoderStack {
                      int64_t block_size);
 
  private:
+  at::Tensor mlp(const StackLayer& layer, const at::Tensor& h) const;  // [T, hidden] -> [T, hidden]
   std::vector<StackLayer> layers_;
   at::Tensor final_norm_, cos_, sin_;
   double eps_;
