@@ -72,3 +72,18 @@ async def _generate_two(llm: AsyncLLM) -> None:
 
     outs = await asyncio.gather(run(long_prompt(20), "long"), run([1, 2, 3, 4], "short"))
     assert all(o.finished and len(o.token_ids) == 3 for o in outs)
+
+
+def test_build_off_main_thread_returns_and_raises_on_the_caller() -> None:
+    """The server builds its engine on a short-lived thread (so that only the step loop keeps an OpenMP team): the
+    value comes back, an exception is re-raised on the caller's thread, and the helper thread is gone either way."""
+    import threading
+
+    from twophase.engine.async_engine import build_off_main_thread
+
+    names: list[str] = []
+    assert build_off_main_thread(lambda: names.append(threading.current_thread().name) or 42) == 42
+    assert names == ["twophase-build"]
+    with pytest.raises(ValueError, match="bad model"):
+        build_off_main_thread(lambda: (_ for _ in ()).throw(ValueError("bad model")))
+    assert not any(t.name == "twophase-build" for t in threading.enumerate())

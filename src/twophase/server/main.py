@@ -67,14 +67,14 @@ def settings_from_args(args: argparse.Namespace) -> ServerSettings:
 def run_server(args: argparse.Namespace) -> int:
     """Serve until a signal arrives; returns the exit status."""
     from twophase.cli import engine_config_from_args
-    from twophase.engine.async_engine import AsyncLLM
+    from twophase.engine.async_engine import AsyncLLM, build_off_main_thread
     from twophase.engine.llm_engine import LLMEngine
     from twophase.server.app import build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     settings = settings_from_args(args)
-    engine = LLMEngine(engine_config_from_args(args), progress=False)
-    llm = AsyncLLM(engine)
+    engine = build_off_main_thread(lambda: LLMEngine(engine_config_from_args(args), progress=False))
+    llm = AsyncLLM(engine)  # its step loop: the one thread of the process that runs OpenMP regions from now on
     if engine.kv_connector is not None:
         engine.kv_connector.attach(llm.call_in_loop)
     llm.start()
