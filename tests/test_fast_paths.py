@@ -12,6 +12,8 @@ Tolerances:
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -78,8 +80,9 @@ def test_block_panels_give_the_float32_panels_bits(kernels, fmt, batch_invariant
     """A float32 weight that is the exact dequantisation of Q8_0 / Q4_1 blocks runs from those blocks
     (BlockPanelLinear, a quarter of the bytes or less): the outputs are the float32 panels' bits at every batch size,
     one row included under batch invariance; a weight the blocks do not widen to keeps its float32 panels (None).
-    One row without batch invariance takes the folded kernel (the products with the blocks' integers, then the
-    scales): within float32 rounding of the float64 product, also for weights far from zero (a large Q4_1 min)."""
+    A few rows without batch invariance (up to 15; one row always) take the folded kernels (the products with the
+    blocks' integers, then the scales): within float32 rounding of the float64 product, also for weights far from
+    zero (a large Q4_1 min)."""
     torch.manual_seed(0)
     packed = quantize(torch.randn(50, 96) * 0.1, fmt)  # 50 rows: three panels of 24, the last one padded
     weight, bias = dequantize(packed, fmt), torch.randn(50)
@@ -89,22 +92,23 @@ def test_block_panels_give_the_float32_panels_bits(kernels, fmt, batch_invariant
     assert blocks.panels.numel() <= 0.27 * panels.panels.numel() * 4  # bytes: 1.06 (q8_0) / 0.625 (q4_1) of 4
     for rows in (1, 2, 5, 9, 40, 300):
         x = torch.randn(rows, 96)
-        if rows > 1 or batch_invariant:
+        if rows > 15 or batch_invariant:
             assert torch.equal(blocks(x), panels(x)), rows
     x64 = torch.randn(3, 96, dtype=torch.float64)
     assert torch.equal(blocks(x64), panels(x64))
     assert exact_block_panels(weight + 1e-3, bias, (fmt, packed), kernels) is None
-    for offset in (0.0, 0.3):  # one row, K = 576 (18 blocks)
+    for offset, rows in itertools.product((0.0, 0.3), (1, 2, 3, 4, 7, 15)):  # K = 576 (18 blocks)
         packed = quantize(torch.randn(50, 576) * 0.1 + offset, fmt)
         weight = dequantize(packed, fmt)
         blocks = exact_block_panels(weight, bias, (fmt, packed), kernels, batch_invariant)
-        x = torch.randn(1, 576)
+        x = torch.randn(rows, 576)
         expected = torch.nn.functional.linear(x.double(), weight.double(), bias.double())
         err = (blocks(x).double() - expected).abs()
         bound = 1e-5 * (x.double().abs() @ weight.double().abs().T + bias.double().abs()) + 1e-6
-        assert (err <= bound).all(), f"offset {offset}: max err {err.max():.3g}"
-        if batch_invariant:
-            assert torch.equal(blocks(x), KernelLinear(weight.clone(), bias, kernels, True)(x))
+        assert (err <= bound).all(), f"offset {offset}, {rows} rows: max err {err.max():.3g}"
+        one_by_one = torch.cat([blocks(x[i : i + 1]) for i in range(rows)])
+        assert not batch_invariant or torch.equal(blocks(x), KernelLinear(weight.clone(), bias, kernels, True)(x))
+        assert not batch_invariant or torch.equal(blocks(x), one_by_one)
 
 
 @pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])

@@ -12,8 +12,11 @@ from twophase.model.ops.linear import PanelLinear
 
 # Rows from which a projection with a GEMM weight (``use_gemm_weights``) takes torch's bfloat16 GEMM instead of its
 # panel kernel. SmolLM2's gate/up shape (3072 x 576) on 2 AMX Xeon cores: float32 panels 162 / 217 / 391 / 791 us at
-# 8 / 16 / 32 / 64 rows, the bfloat16 GEMM 216 / 186 / 194 / 339 us (5.6 ms against 1.2 ms at 512).
-GEMM_MIN_ROWS = 16
+# 8 / 16 / 32 / 64 rows, the bfloat16 GEMM 216 / 186 / 194 / 339 us (5.6 ms against 1.2 ms at 512). Block panels
+# fold up to 7 rows without widening (``block_rows_folded``), reading the Q4_1 blocks once where the GEMM reads
+# 2 bytes a weight: decode of the whole model on the same CPU, folded against the GEMM, 2 / 4 requests 282-304 against
+# 284-304 and 368-400 against 246-255 tok/s, 8 requests 378-406 against 370-376, 12 requests 457 against 559-589.
+GEMM_MIN_ROWS = 8
 # Rows below which the GEMM runs on a copy oneDNN reordered once (``prepack_for_onednn``) instead of reordering the
 # weight on every call: same shapes, 2 threads, bfloat16, packed for 32 rows: 3072 x 576 at 16 / 32 / 64 rows
 # 96 / 126 / 223 us against 156 / 189 / 273, the same bits; at 544 rows 1,070 against 1,143 us, but 576 x 1536

@@ -8,9 +8,9 @@ Methods (``--quantization`` picks the weight format, the C++ kernels make it fas
   kernel at every batch size: at memory bandwidth for one row, at the FMA rate (a BLIS-style 4 x 24 micro-kernel)
   from a few rows on, faster than oneDNN's prepacked GEMM at 1-512 rows on the machine we measured. A float32
   weight loaded from a GGUF file's Q8_0 / Q4_1 blocks stays in those blocks (``BlockPanelLinear``: a quarter of the
-  bytes or less to stream) and is widened to float32 panel by panel in the kernel, exactly: the same bits (one row
-  without batch invariance multiplies by the blocks' integers instead: within float32 rounding). With
-  ``gemm.use_gemm_weights`` (``--gemm-dtype bfloat16``) 16+ rows take torch's bfloat16 GEMM on a copy of the weight.
+  bytes or less to stream) and is widened to float32 panel by panel in the kernel, exactly: the same bits (up to 7
+  rows without batch invariance multiply by the blocks' integers instead: within float32 rounding). With
+  ``gemm.use_gemm_weights`` (``--gemm-dtype bfloat16``) 8+ rows take torch's bfloat16 GEMM on a copy of the weight.
 - ``int8``: weight-only int8 with one float32 scale per output channel (symmetric, round to nearest), in column
   panels through the same kernel (``KernelLinear`` with a scale).
 - ``q8_0`` / ``q4_1``: GGUF's block formats (32 weights per block: ``d·q`` / ``d·q + m``), executed without
@@ -170,9 +170,9 @@ class BlockPanelLinear(PanelLinear):
     """A float32 weight loaded from GGUF Q8_0 / Q4_1 blocks, kept as those blocks rearranged per column panel
     (``pack_block_panels``): 1.06 / 0.625 bytes a weight instead of 4. The kernel widens each panel to float32 (d · q
     (+ m): exact, one rounding at most, the loader's own) and runs the float32 panels' arithmetic, so every output
-    has the bits ``KernelLinear`` gives for the float32 weight; one row without batch invariance is multiplied by the
-    blocks' integers and scaled per block (C++ ``block_row_folded``: within float32 rounding of those bits, half the
-    FMAs). Built only through ``exact_block_panels``, which checks
+    has the bits ``KernelLinear`` gives for the float32 weight; a few rows without batch invariance (up to 7 on
+    AVX-512, 3 on AVX2) are multiplied by the blocks' integers and scaled per block, the panel decoded once for all of
+    them (C++ ``block_row_folded`` / ``block_rows_folded``: within float32 rounding of those bits, no widening). Built only through ``exact_block_panels``, which checks
     that the blocks widen to the loaded weight bit for bit."""
 
     def __init__(self, native: tuple[str, tuple[torch.Tensor, ...]], bias: torch.Tensor | None, kernels: ModuleType,

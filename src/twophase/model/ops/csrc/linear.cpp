@@ -596,6 +596,69 @@ inline bool block_row_folded(const float* x, const float* xsum, const uint8_t* w
 #endif
 }
 
+// A few rows through block panels, folded as block_row_folded folds one (without its two chains per column: the
+// rows' chains are independent already): per block, sum_k x[r][k] * q[k] for every row from one decoding of the
+// block's integers, then d times that plus m times the row's block sum. So the panel's bytes are read once for all R
+// rows where the widening path (to_float_panel, then float32 tiles) spent more time widening than the rows took:
+// decode at 2 / 4 / 8 requests read the weights at ~1.5x the cost of one. acc[r] = row r's 24 outputs.
+// R rows need R x 3 accumulators, 6 integer vectors and 2 broadcasts: AVX-512's 32 registers hold R = 4, AVX2's 16
+// hold R = 2 (kFoldRows).
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+constexpr int kFoldRows = 4;
+#else
+constexpr int kFoldRows = 2;
+#endif
+// Rows up to which block panels fold: two passes of kFoldRows over each panel (from L1), past which the folding's
+// decoding of the integers per pass costs more than widening the panel once for float32 tiles.
+constexpr int64_t kFoldMaxRows = 2 * kFoldRows - 1;
+
+constexpr bool folding_supported() {  // block_rows_folded has a vector body (else it returns false)
+#if defined(__AVX2__) && defined(__F16C__)
+  return true;
+#else
+  return false;
+#endif
+}
+
+template <class W, int R>
+inline bool block_rows_folded(const float* x, const float* xsum, const uint8_t* wp, int64_t K,
+                              float (&acc)[R][kPanel]) {
+#if defined(__AVX2__) && defined(__F16C__)
+  const int64_t blocks = K / QK;
+  __m256 a[R][3];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 3; ++c) a[r][c] = _mm256_setzero_ps();
+  for (int64_t k0 = 0, blk = 0; k0 < K; k0 += QK, wp += W::block_bytes, ++blk) {
+    prefetch_bytes(wp + kPrefetchBytes, W::block_bytes);
+    __m256 dot[R][3];
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < 3; ++c) dot[r][c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < QK; k += 2) {
+      __m256 q0[3], q1[3];
+      for (int c = 0; c < 3; ++c) W::ints(wp, k, c, q0[c], q1[c]);
+      for (int r = 0; r < R; ++r) {
+        const __m256 xa = _mm256_broadcast_ss(x + r * K + k0 + k), xb = _mm256_broadcast_ss(x + r * K + k0 + k + 1);
+        for (int c = 0; c < 3; ++c) dot[r][c] = _mm256_fmadd_ps(xb, q1[c], _mm256_fmadd_ps(xa, q0[c], dot[r][c]));
+      }
+    }
+    const typename W::Scales sc(wp);
+    for (int r = 0; r < R; ++r) {
+      for (int c = 0; c < 3; ++c) a[r][c] = _mm256_fmadd_ps(sc.d[c], dot[r][c], a[r][c]);
+      if constexpr (W::has_min) {
+        const __m256 xs = _mm256_broadcast_ss(xsum + r * blocks + blk);
+        for (int c = 0; c < 3; ++c) a[r][c] = _mm256_fmadd_ps(sc.m[c], xs, a[r][c]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < 3; ++c) _mm256_storeu_ps(acc[r] + 8 * c, a[r][c]);
+  return true;
+#else
+  (void)x, (void)xsum, (void)wp, (void)K, (void)acc;
+  return false;
+#endif
+}
+
 // y[m0 .. m0 + MR)[panel's columns] = acc * scale + bias (only the columns below N).
 template <class W, int MR>
 inline void store_panel(const PanelProblem<W>& p, int64_t m0, int64_t panel, const float (&acc)[MR][kPanel]) {
@@ -631,15 +694,24 @@ float* thread_scratch(int64_t n) {
   return buffer.get();
 }
 
-// The sums of x [K] over each block of 32 k, in order: block_row_folded's min term (n = K / 32 floats).
-inline const float* block_sums(const float* x, int64_t K) {
-  float* sums = thread_scratch<2>(K / QK);
-  for (int64_t b = 0; b < K / QK; ++b) {
+// The sums of each row of x [M, K] over each block of 32 k, in order: the folded kernels' min term ([M, K / 32]).
+inline const float* block_sums(const float* x, int64_t M, int64_t K) {
+  float* sums = thread_scratch<2>(M * (K / QK));
+  for (int64_t b = 0; b < M * (K / QK); ++b) {
     float s = 0.f;
     for (int64_t k = 0; k < QK; ++k) s += x[b * QK + k];
     sums[b] = s;
   }
   return sums;
+}
+
+// Rows m0 .. m0 + R of one block panel through block_rows_folded (R < 1 + kFoldRows), stored.
+template <class W, int R>
+inline void fold_rows(const PanelProblem<W>& p, const float* x, const float* xsum, const uint8_t* wq, int64_t m0,
+                      int64_t panel) {
+  float acc[R][kPanel];
+  block_rows_folded<W, R>(x + m0 * p.K, xsum + m0 * (p.K / QK), wq, p.K, acc);
+  store_panel<W, R>(p, m0, panel, acc);
 }
 
 // x [M, K] packed k-major per block of 4 rows (the last block holds the M % 4 rows left): block b at b * 4 * K.
@@ -751,21 +823,24 @@ void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
   if (kPairTiles) group += group % 2;  // whole pairs of panels in a group (panel_pairs)
   const int64_t groups = (panels + group - 1) / group;
   // One row is already k-major, so it is not packed; without batch invariance it takes the two-chain kernel.
-  const float* xp = p.M == 1 ? x : pack_rows_k_major(x, p.M, p.K);
   const bool two_chains = p.M == 1 && !batch_invariant;
-  const float* xsum = nullptr;  // block_row_folded's block sums of the one row
-  if constexpr (BlockPanel<W>::value) {
-    if (W::has_min && two_chains) xsum = block_sums(x, p.K);
+  // a few rows through block panels, without batch invariance: folded, kFoldRows at a time (block_rows_folded)
+  constexpr bool blocks = BlockPanel<W>::value;
+  const bool folded = blocks && folding_supported() && !batch_invariant && p.M > 1 && p.M <= kFoldMaxRows;
+  const float* xp = p.M == 1 || folded ? x : pack_rows_k_major(x, p.M, p.K);
+  const float* xsum = nullptr;  // the folded kernels' block sums of the rows
+  if constexpr (blocks) {
+    if (W::has_min && (two_chains || folded)) xsum = block_sums(x, p.M, p.K);
   }
   // bfloat16 / int8 panels for more than kConvertRows rows: converted to float32 once per panel and pass, not once
   // per 4-row tile (int8 converts in 3 instructions per 8 weights, in every tile). The conversion is exact, so
   // every row's arithmetic is the same either way.
   // Block panels are widened into the scratch at every batch size (their tiles have no other way to read them),
   // except one row without batch invariance (block_row_folded, never widened).
-  constexpr bool convertible = !std::is_same_v<W, WF32>, blocks = BlockPanel<W>::value;
+  constexpr bool convertible = !std::is_same_v<W, WF32>;
   auto converted = [&] {
     const int64_t panels_at_once = kPairTiles ? 2 : 1;  // panel_pairs widens two
-    return convertible && ((blocks && !two_chains) || p.M > kConvertRows)
+    return convertible && ((blocks && !two_chains && !folded) || (!blocks && p.M > kConvertRows))
                ? thread_scratch<1>(panels_at_once * p.K * kPanel)
                : nullptr;
   };
@@ -780,6 +855,19 @@ void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
     }
     for (; q < q1; ++q) {
       const typename W::T* wq = p.panels + q * panel_stride<W>(p.K);
+      if constexpr (blocks) {
+        if (folded) {
+          for (int64_t m0 = 0; m0 < p.M; m0 += kFoldRows) {
+            switch (std::min<int64_t>(kFoldRows, p.M - m0)) {
+              case 1: fold_rows<W, 1>(p, x, xsum, wq, m0, q); break;
+              case 2: fold_rows<W, 2>(p, x, xsum, wq, m0, q); break;
+              case 3: fold_rows<W, kFoldRows >= 3 ? 3 : 1>(p, x, xsum, wq, m0, q); break;
+              default: fold_rows<W, kFoldRows>(p, x, xsum, wq, m0, q); break;
+            }
+          }
+          continue;
+        }
+      }
       if (two_chains) {  // one row: block panels by their integers, other formats read as they are
         float acc[1][kPanel];
         if constexpr (blocks) {
