@@ -98,14 +98,18 @@ inline __m256 silu8(__m256 g) {
 }
 #endif
 
+// body(g, u, o, f) for every row of gate_up [T, 2F] and out [T, F]: g / u the row's gate and up halves, o its output.
+template <class In, class Out, class Body>
+void for_gate_up_rows(const at::Tensor& gu, at::Tensor& out, Body&& body) {
+  const int64_t f = out.size(1);
+  const In* gp = ptr<In>(gu);
+  Out* op = ptr<Out>(out);
+  for_rows(out.size(0), f, [&](int64_t r) { body(gp + r * 2 * f, gp + r * 2 * f + f, op + r * f, f); });
+}
+
 template <class T>
 void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
-  const int64_t f = out.size(1);
-  const T* gp = ptr<T>(gu);
-  T* op = ptr<T>(out);
-  for_rows(out.size(0), f, [&](int64_t r) {
-    const T *g = gp + r * 2 * f, *u = g + f;
-    T* o = op + r * f;
+  for_gate_up_rows<T, T>(gu, out, [](const T* g, const T* u, T* o, int64_t f) {
     int64_t i = 0;
 #ifdef __AVX2__
     if constexpr (std::is_same_v<T, float>) {
@@ -129,12 +133,7 @@ void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
 // silu(gate) * up in float32 of bfloat16 gate_up [T, 2F], rounded once to bfloat16 [T, F]: silu_mul_impl<float>'s
 // arithmetic on the widened values, then the rounding torch's .to(torch.bfloat16) of its result would apply.
 void silu_mul_widened(const at::Tensor& gu, at::Tensor& out) {
-  const int64_t f = out.size(1);
-  const uint16_t* gp = ptr<uint16_t>(gu);
-  uint16_t* op = ptr<uint16_t>(out);
-  for_rows(out.size(0), f, [&](int64_t r) {
-    const uint16_t *g = gp + r * 2 * f, *u = g + f;
-    uint16_t* o = op + r * f;
+  for_gate_up_rows<uint16_t, uint16_t>(gu, out, [](const uint16_t* g, const uint16_t* u, uint16_t* o, int64_t f) {
     int64_t i = 0;
 #ifdef __AVX2__
     for (; i + 8 <= f; i += 8)
