@@ -87,3 +87,27 @@ def test_build_off_main_thread_returns_and_raises_on_the_caller() -> None:
     with pytest.raises(ValueError, match="bad model"):
         build_off_main_thread(lambda: (_ for _ in ()).throw(ValueError("bad model")))
     assert not any(t.name == "twophase-build" for t in threading.enumerate())
+
+
+def test_ctrl_c_during_the_build_waits_for_it_then_stops() -> None:
+    """Ctrl-C while the engine builds (here SIGINT sent by the build itself) stops the caller only after the
+    build has finished: a process that exited under a running build aborted ("terminate called ...")."""
+    import os
+    import signal
+    import threading
+
+    from twophase.engine.async_engine import build_off_main_thread
+
+    steps: list[str] = []
+
+    def build() -> int:
+        time.sleep(0.1)  # the caller is waiting by now
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.3)
+        steps.append("finished")
+        return 1
+
+    with pytest.raises(KeyboardInterrupt):
+        build_off_main_thread(build)
+    assert steps == ["finished"]
+    assert not any(t.name == "twophase-build" for t in threading.enumerate())

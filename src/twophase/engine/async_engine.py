@@ -35,16 +35,25 @@ def build_off_main_thread(build: Callable[[], T]) -> T:
     the thread that built everything and 268 us on a second thread after it, 160 us after a finished helper thread.
     """
     result: dict[str, object] = {}
+    done = threading.Event()
 
     def target() -> None:
         try:
             result["value"] = build()
         except BaseException as exc:  # noqa: BLE001 — re-raised on the caller's thread
             result["error"] = exc
+        finally:
+            done.set()
 
     thread = threading.Thread(target=target, name="twophase-build")
     thread.start()
-    thread.join()
+    try:
+        done.wait()
+    except KeyboardInterrupt:  # a build cannot stop midway: let it finish, then stop. (An interrupted Thread.join
+        done.wait()  # marks the thread stopped while it runs: the process then exited under it and aborted.)
+        raise
+    finally:
+        thread.join()  # gone, and its OpenMP team with it, before the caller opens parallel regions
     if "error" in result:
         raise result["error"]  # type: ignore[misc]
     return result["value"]  # type: ignore[return-value]
