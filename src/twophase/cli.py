@@ -33,6 +33,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     from twophase.loader import DEFAULT_MODEL
 
     parser.add_argument("--model", "-m", default=DEFAULT_MODEL, help="store name, HF directory or .gguf path")
+    add_execution_arguments(parser)
+    add_scheduler_arguments(parser)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--speculative-config", default=None,
+        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
+        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (vLLM spelling; off by default)',
+    )  # fmt: skip
+    from twophase.steptime.cli import add_budget_arguments
+
+    add_budget_arguments(parser)
+    add_parallel_arguments(parser)
+
+
+def add_execution_arguments(parser: argparse.ArgumentParser) -> None:
+    """How the model runs: dtypes, weight format, backends, threads, device."""
     parser.add_argument(
         "--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
         help="auto: float32 on CPUs for weights stored in GGUF Q8_0/Q4_1 blocks (run as stored); else "
@@ -59,12 +75,17 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="intra-op threads (default: physical cores)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
+
+
+def add_scheduler_arguments(parser: argparse.ArgumentParser) -> None:
+    """What a step may hold and the KV cache it draws on."""
+    from twophase.config import SchedulerConfig
+
     parser.add_argument("--max-model-len", type=int, default=2048)
     parser.add_argument(
-        "--max-num-batched-tokens", type=int, default=None,
-        help="token budget per step (default 2048, as vLLM's server on CPU; on a 2-core AMX Xeon S1 ran at 585-588 output "
-             "tok/s with TTFT p99 1.7-1.8 s against 505-538 and 2.4-2.7 s at 512, but ITL p99 386-401 ms against "
-             "166-184: a smaller budget, or --step-budget auto with --slo-itl-ms, keeps streams smoother)",
+        "--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens,
+        help="token budget per step (default %(default)s, as vLLM's server on CPU: fewer, larger prefill steps; a "
+             "smaller budget, or --step-budget auto with --slo-itl-ms, keeps streams smoother; see the README)",
     )  # fmt: skip
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--block-size", type=int, default=16)
@@ -80,16 +101,6 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--no-chunked-prefill", action="store_true")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--speculative-config", default=None,
-        help='speculative decoding as JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 3, '
-        '"prompt_lookup_min": 2, "prompt_lookup_max": 4}\' (vLLM spelling; off by default)',
-    )  # fmt: skip
-    from twophase.steptime.cli import add_budget_arguments
-
-    add_budget_arguments(parser)
-    add_parallel_arguments(parser)
 
 
 def add_parallel_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,7 +139,7 @@ def engine_config_from_args(args: argparse.Namespace):
         cache_dtype=args.kv_cache_dtype,
     )
     scheduler = SchedulerConfig(
-        max_num_batched_tokens=args.max_num_batched_tokens or SchedulerConfig.max_num_batched_tokens,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_chunked_prefill=not args.no_chunked_prefill,

@@ -172,7 +172,7 @@ class BlockPanelLinear(PanelLinear):
     (+ m): exact, one rounding at most, the loader's own) and runs the float32 panels' arithmetic, so every output
     has the bits ``KernelLinear`` gives for the float32 weight; a few rows without batch invariance (up to 7 on
     AVX-512, 3 on AVX2) are multiplied by the blocks' integers and scaled per block, the panel decoded once for all of
-    them (C++ ``block_row_folded`` / ``block_rows_folded``: within float32 rounding of those bits, no widening). Built only through ``exact_block_panels``, which checks
+    them (C++ ``block_rows_folded``: within float32 rounding of those bits, no widening). Built only through ``exact_block_panels``, which checks
     that the blocks widen to the loaded weight bit for bit."""
 
     def __init__(self, native: tuple[str, tuple[torch.Tensor, ...]], bias: torch.Tensor | None, kernels: ModuleType,

@@ -13,7 +13,7 @@ namespace {
 // Keys scored per softmax update: one kv head's K and V rows of a chunk (16 KB at D = 64, float32) stay in L1 for
 // the query heads that share them (64-key chunks, 32 KB, spilled: 1.1-1.3x slower).
 constexpr int64_t KEY_CHUNK = 32;
-static_assert(KEY_CHUNK % 4 == 0, "scores() writes keys in groups of four");
+static_assert(KEY_CHUNK % 4 == 0, "scores_d64 writes keys in groups of four");
 constexpr int64_t Q_TILE = 16;     // query positions per work item (times `groups` heads)
 // A request with at most this many queries (a decode row, a short speculative check) is one work item over all its
 // kv heads when there are enough such requests to share the threads: a cache slot holds every kv head's row
@@ -91,37 +91,9 @@ inline const float* row_f32(const uint16_t* row, int64_t d0, int64_t n, float* b
   return buf;
 }
 
-// s[j] = q . K[j] for j < n; returns max_j s[j]. s must have room for n rounded up to 4.
-// D == 64: q stays in registers and keys go four at a time, each one FMA chain over its 8 slabs, the four partial
-// vectors reduced together (two rounds of hadd, then the halves). The padding keys of the last group repeat the
-// last key, so every key's sum is the same arithmetic wherever it falls in a group.
+// s[j] = q . K[j] for j < n; returns max_j s[j] (any D; D == 64 takes scores_d64 below).
 template <class T>
 inline float scores(const float* q, const T* const* K, int64_t n, int64_t D, float* s, float* buf) {
-#ifdef __AVX2__
-  if (D == 64) {
-    __m256 qv[8];
-    for (int d = 0; d < 8; ++d) qv[d] = _mm256_loadu_ps(q + 8 * d);
-    auto partial = [&](const T* k) {
-      __m256 a = _mm256_mul_ps(qv[0], load8(k));
-      for (int d = 1; d < 8; ++d) a = _mm256_fmadd_ps(qv[d], load8(k + 8 * d), a);
-      return a;
-    };
-    __m128 mx = _mm_set1_ps(-std::numeric_limits<float>::infinity());
-    for (int64_t j = 0; j < n; j += 4) {
-      const T* k0 = K[j];
-      const T* k1 = K[std::min(j + 1, n - 1)];
-      const T* k2 = K[std::min(j + 2, n - 1)];
-      const T* k3 = K[std::min(j + 3, n - 1)];
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(partial(k0), partial(k1)),
-                                      _mm256_hadd_ps(partial(k2), partial(k3)));
-      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-      _mm_storeu_ps(s + j, s4);
-      mx = _mm_max_ps(mx, s4);
-    }
-    mx = _mm_max_ps(mx, _mm_movehl_ps(mx, mx));
-    return _mm_cvtss_f32(_mm_max_ss(mx, _mm_movehdup_ps(mx)));
-  }
-#endif
   float mx = -std::numeric_limits<float>::infinity();
   for (int64_t j = 0; j < n; ++j) {
     s[j] = dot_f32(q, row_f32(K[j], 0, D, buf), D);
@@ -154,8 +126,8 @@ inline void accumulate(float* acc, float alpha, const float* p, const T* const* 
 }
 
 // Query rows that share one key chunk (one query's heads of a kv head) are scored and accumulated up to this many at a
-// time, each key or value slab widened once for all of them; each row's arithmetic stays scores()' / accumulate()'s
-// own (the same FMA chains in the same order), so grouping never changes a bit. accumulate's group keeps 8 slabs x
+// time, each key or value slab widened once for all of them; each row's arithmetic is the one-row arithmetic
+// (the same FMA chains in the same order), so grouping never changes a bit. accumulate's group keeps 8 slabs x
 // rows in registers: three rows need AVX-512's 32 vector registers.
 constexpr int GROUP_ROWS = 3;
 #if defined(__AVX512F__) && defined(__AVX512VL__)
@@ -165,7 +137,10 @@ constexpr int ACCUMULATE_GROUP_ROWS = 1;
 #endif
 
 #ifdef __AVX2__
-// scores() for R rows at D == 64: s[r][j] = q[r] . K[j] (rows of q and s KEY_CHUNK / 64 apart); mx[r] = max_j.
+// scores() for R rows at D == 64: s[r][j] = q[r] . K[j] (rows of q and s 64 / KEY_CHUNK apart); mx[r] = max_j.
+// Keys go four at a time, each one FMA chain over its 8 slabs, the four partial vectors reduced together (two rounds
+// of hadd, then the halves); the padding keys of the last group repeat the last key, so every key's sum is the same
+// arithmetic wherever it falls in a group, and in whichever group of rows.
 template <int R, class T>
 inline void scores_d64(const float* q, const T* const* K, int64_t n, float* s, float* mx) {
   __m128 m[R];

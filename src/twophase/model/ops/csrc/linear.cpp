@@ -329,7 +329,7 @@ struct PanelProblem {
 // Q8_0 one int8 each; Q4_1 one byte per column for each pair of k (k even in the low nibble, k + 1 in the high).
 // AVX2 + F16C: Scales(blk) holds a block's d (and m) for the 24 columns as 3 vectors each; pair(blk, sc, k, c) gives the
 // float32 weights of k and k + 1 (k even) at columns 8c .. 8c + 7 (widen_block, the panel into the scratch, uses it);
-// ints(blk, k, c) the integers q of the same places, as float32 (block_row_folded, one row, uses them).
+// ints(blk, k, c) the integers q of the same places, as float32 (block_rows_folded uses them).
 struct PQ8_0 {
   using T = uint8_t;
   static constexpr int64_t block_bytes = 2 * kPanel + QK * kPanel;
@@ -365,7 +365,7 @@ struct PQ4_1 {
   static const uint16_t* d_of(const uint8_t* blk) { return reinterpret_cast<const uint16_t*>(blk); }
   static const uint16_t* m_of(const uint8_t* blk) { return d_of(blk) + kPanel; }
   static const uint8_t* q_of(const uint8_t* blk) { return blk + 4 * kPanel; }
-  static constexpr bool has_min = true;  // Q4_1's min term (block_row_folded)
+  static constexpr bool has_min = true;  // Q4_1's min term (block_rows_folded)
 #if defined(__AVX2__) && defined(__F16C__)
   struct Scales {
     __m256 d[3], m[3];
@@ -553,56 +553,18 @@ inline void panel_row_two_chains(const float* x, const typename W::T* wp, int64_
 #endif
 }
 
-// One row through a block panel without widening its weights: per block of 32 k, the row's products with the
-// integers q (two FMA chains per column, even and odd k), then acc += d * that + m * xsum[block] (the block's sum
-// of x; Q4_1 only), the min term folded out of the weights as llama.cpp's dot products do. One FMA a weight instead
-// of two (Q4_1: d * q + m, then x times it; Q8_0: a multiply and an FMA), and each block asks for the bytes ~4 KB
-// ahead (software prefetch, as the row kernels above). SmolLM2's 120 Q4_1 matrices (66 MB) at one row on 2 Xeon
-// cores (AVX-512; standalone copy, medians of 15): widened in registers without prefetch 4.9-5.1 ms, with it
-// 3.6-4.2, folded with it 3.3-3.5; folding alone did not move the engine's decode. Not the float32 panels' bits (another
-// rounding order of the same products, within float32 rounding of them; tested against float64), and only where
-// batch invariance is not asked for, as panel_row_two_chains. Returns false where it has no vector path.
-template <class W>
-inline bool block_row_folded(const float* x, const float* xsum, const uint8_t* wp, int64_t K,
-                             float (&acc)[1][kPanel]) {
-#if defined(__AVX2__) && defined(__F16C__)
-  __m256 a[3], b[3];
-  for (int c = 0; c < 3; ++c) a[c] = b[c] = _mm256_setzero_ps();
-  for (int64_t k0 = 0, blk = 0; k0 < K; k0 += QK, wp += W::block_bytes, ++blk) {
-    prefetch_bytes(wp + kPrefetchBytes, W::block_bytes);  // the bytes this thread reaches ~4 KB later (see above)
-    __m256 even[3], odd[3];
-    for (int c = 0; c < 3; ++c) even[c] = odd[c] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < QK; k += 2) {
-      const __m256 xa = _mm256_broadcast_ss(x + k0 + k), xb = _mm256_broadcast_ss(x + k0 + k + 1);
-      for (int c = 0; c < 3; ++c) {
-        __m256 q0, q1;
-        W::ints(wp, k, c, q0, q1);
-        even[c] = _mm256_fmadd_ps(xa, q0, even[c]);
-        odd[c] = _mm256_fmadd_ps(xb, q1, odd[c]);
-      }
-    }
-    const typename W::Scales sc(wp);
-    for (int c = 0; c < 3; ++c) a[c] = _mm256_fmadd_ps(sc.d[c], _mm256_add_ps(even[c], odd[c]), a[c]);
-    if constexpr (W::has_min) {
-      const __m256 xs = _mm256_broadcast_ss(xsum + blk);
-      for (int c = 0; c < 3; ++c) b[c] = _mm256_fmadd_ps(sc.m[c], xs, b[c]);
-    }
-  }
-  for (int c = 0; c < 3; ++c) _mm256_storeu_ps(acc[0] + 8 * c, _mm256_add_ps(a[c], b[c]));
-  return true;
-#else
-  (void)x, (void)xsum, (void)wp, (void)K, (void)acc;
-  return false;
-#endif
-}
-
-// A few rows through block panels, folded as block_row_folded folds one (without its two chains per column: the
-// rows' chains are independent already): per block, sum_k x[r][k] * q[k] for every row from one decoding of the
-// block's integers, then d times that plus m times the row's block sum. So the panel's bytes are read once for all R
-// rows where the widening path (to_float_panel, then float32 tiles) spent more time widening than the rows took:
-// decode at 2 / 4 / 8 requests read the weights at ~1.5x the cost of one. acc[r] = row r's 24 outputs.
-// R rows need R x 3 accumulators, 6 integer vectors and 2 broadcasts: AVX-512's 32 registers hold R = 4, AVX2's 16
-// hold R = 2 (kFoldRows).
+// Rows through a block panel without widening its weights: per block of 32 k, each row's products with the
+// integers q from one decoding of them, then acc += d * that + m * xsum[row][block] (the block's sum of the row's x;
+// Q4_1 only), the min term folded out of the weights as llama.cpp's dot products do. One FMA a weight and row
+// instead of two, each block asking for the bytes ~4 KB ahead (software prefetch, as the row kernels above), and the
+// panel's bytes read once for all R rows, where widening it (to_float_panel, then float32 tiles) took longer than
+// the few rows' arithmetic. One row keeps two FMA chains per column (even and odd k), R rows one each (the rows'
+// chains are independent already). SmolLM2's 120 Q4_1 matrices (66 MB) at one row on 2 Xeon cores (AVX-512;
+// standalone copy, medians of 15): widened in registers without prefetch 4.9-5.1 ms, with it 3.6-4.2, folded with
+// it 3.3-3.5; engine decode at 2 / 4 requests 144-149 / 231-245 -> 247-300 / 352-400 tok/s. Not the float32 panels'
+// bits (another rounding order of the same products, within float32 rounding of them; tested against float64), so
+// only where batch invariance is not asked for. R rows need R x 3 accumulators, 6 integer vectors and 2 broadcasts:
+// AVX-512's 32 registers hold R = 4, AVX2's 16 hold R = 2 (kFoldRows).
 #if defined(__AVX512F__) && defined(__AVX512VL__)
 constexpr int kFoldRows = 4;
 #else
@@ -612,7 +574,7 @@ constexpr int kFoldRows = 2;
 // decoding of the integers per pass costs more than widening the panel once for float32 tiles.
 constexpr int64_t kFoldMaxRows = 2 * kFoldRows - 1;
 
-constexpr bool folding_supported() {  // block_rows_folded has a vector body (else it returns false)
+constexpr bool folding_supported() {  // block_rows_folded has a vector body
 #if defined(__AVX2__) && defined(__F16C__)
   return true;
 #else
@@ -620,30 +582,39 @@ constexpr bool folding_supported() {  // block_rows_folded has a vector body (el
 #endif
 }
 
+// acc[r] = the 24 outputs of row r of x [R, K] (rows K apart; xsum [R, K / 32]).
 template <class W, int R>
-inline bool block_rows_folded(const float* x, const float* xsum, const uint8_t* wp, int64_t K,
+inline void block_rows_folded(const float* x, const float* xsum, const uint8_t* wp, int64_t K,
                               float (&acc)[R][kPanel]) {
 #if defined(__AVX2__) && defined(__F16C__)
+  constexpr int kChains = R == 1 ? 2 : 1;
   const int64_t blocks = K / QK;
   __m256 a[R][3];
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 3; ++c) a[r][c] = _mm256_setzero_ps();
   for (int64_t k0 = 0, blk = 0; k0 < K; k0 += QK, wp += W::block_bytes, ++blk) {
-    prefetch_bytes(wp + kPrefetchBytes, W::block_bytes);
-    __m256 dot[R][3];
+    prefetch_bytes(wp + kPrefetchBytes, W::block_bytes);  // the bytes this thread reaches ~4 KB later (see above)
+    __m256 dot[R][kChains][3];
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < 3; ++c) dot[r][c] = _mm256_setzero_ps();
+      for (int h = 0; h < kChains; ++h)
+        for (int c = 0; c < 3; ++c) dot[r][h][c] = _mm256_setzero_ps();
     for (int64_t k = 0; k < QK; k += 2) {
       __m256 q0[3], q1[3];
       for (int c = 0; c < 3; ++c) W::ints(wp, k, c, q0[c], q1[c]);
       for (int r = 0; r < R; ++r) {
         const __m256 xa = _mm256_broadcast_ss(x + r * K + k0 + k), xb = _mm256_broadcast_ss(x + r * K + k0 + k + 1);
-        for (int c = 0; c < 3; ++c) dot[r][c] = _mm256_fmadd_ps(xb, q1[c], _mm256_fmadd_ps(xa, q0[c], dot[r][c]));
+        for (int c = 0; c < 3; ++c) {
+          dot[r][0][c] = _mm256_fmadd_ps(xa, q0[c], dot[r][0][c]);
+          dot[r][kChains - 1][c] = _mm256_fmadd_ps(xb, q1[c], dot[r][kChains - 1][c]);
+        }
       }
     }
     const typename W::Scales sc(wp);
     for (int r = 0; r < R; ++r) {
-      for (int c = 0; c < 3; ++c) a[r][c] = _mm256_fmadd_ps(sc.d[c], dot[r][c], a[r][c]);
+      for (int c = 0; c < 3; ++c) {
+        const __m256 d = kChains == 2 ? _mm256_add_ps(dot[r][0][c], dot[r][1][c]) : dot[r][0][c];
+        a[r][c] = _mm256_fmadd_ps(sc.d[c], d, a[r][c]);
+      }
       if constexpr (W::has_min) {
         const __m256 xs = _mm256_broadcast_ss(xsum + r * blocks + blk);
         for (int c = 0; c < 3; ++c) a[r][c] = _mm256_fmadd_ps(sc.m[c], xs, a[r][c]);
@@ -652,10 +623,8 @@ inline bool block_rows_folded(const float* x, const float* xsum, const uint8_t* 
   }
   for (int r = 0; r < R; ++r)
     for (int c = 0; c < 3; ++c) _mm256_storeu_ps(acc[r] + 8 * c, a[r][c]);
-  return true;
 #else
-  (void)x, (void)xsum, (void)wp, (void)K, (void)acc;
-  return false;
+  (void)x, (void)xsum, (void)wp, (void)K, (void)acc;  // never called: folding_supported() is false
 #endif
 }
 
@@ -826,17 +795,17 @@ void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
   const bool two_chains = p.M == 1 && !batch_invariant;
   // a few rows through block panels, without batch invariance: folded, kFoldRows at a time (block_rows_folded)
   constexpr bool blocks = BlockPanel<W>::value;
-  const bool folded = blocks && folding_supported() && !batch_invariant && p.M > 1 && p.M <= kFoldMaxRows;
+  const bool folded = blocks && folding_supported() && !batch_invariant && p.M <= kFoldMaxRows;
   const float* xp = p.M == 1 || folded ? x : pack_rows_k_major(x, p.M, p.K);
   const float* xsum = nullptr;  // the folded kernels' block sums of the rows
   if constexpr (blocks) {
-    if (W::has_min && (two_chains || folded)) xsum = block_sums(x, p.M, p.K);
+    if (W::has_min && folded) xsum = block_sums(x, p.M, p.K);
   }
   // bfloat16 / int8 panels for more than kConvertRows rows: converted to float32 once per panel and pass, not once
   // per 4-row tile (int8 converts in 3 instructions per 8 weights, in every tile). The conversion is exact, so
   // every row's arithmetic is the same either way.
   // Block panels are widened into the scratch at every batch size (their tiles have no other way to read them),
-  // except one row without batch invariance (block_row_folded, never widened).
+  // except a few rows without batch invariance (block_rows_folded, never widened).
   constexpr bool convertible = !std::is_same_v<W, WF32>;
   auto converted = [&] {
     const int64_t panels_at_once = kPairTiles ? 2 : 1;  // panel_pairs widens two
@@ -868,14 +837,12 @@ void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
           continue;
         }
       }
-      if (two_chains) {  // one row: block panels by their integers, other formats read as they are
+      if (two_chains) {  // one row: other formats read as they are, block panels widened (no folding built)
         float acc[1][kPanel];
         if constexpr (blocks) {
-          if (!block_row_folded<W>(x, xsum, wq, p.K, acc)) {
-            float* scratch = thread_scratch<1>(p.K * kPanel);
-            to_float_panel<W>(wq, p.K, scratch);
-            panel_row_two_chains<WF32>(x, scratch, p.K, acc);
-          }
+          float* scratch = thread_scratch<1>(p.K * kPanel);
+          to_float_panel<W>(wq, p.K, scratch);
+          panel_row_two_chains<WF32>(x, scratch, p.K, acc);
         } else {
           panel_row_two_chains<W>(x, wq, p.K, acc);
         }
