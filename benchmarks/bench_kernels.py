@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from twophase.model.ops.extension import load_kernels
-from twophase.model.ops.linear import KernelLinear
-from twophase.model.ops.quant import quantize_q4_1, quantize_q8_0
+from twophase.model.ops.linear import BlockPanelLinear, KernelLinear
+from twophase.model.ops.quant import QK, quantize_q4_1, quantize_q8_0
 from twophase.model.attention import reference_paged_attention
 
 HIDDEN, INTER, LAYERS, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 30, 49152, 9, 3, 64
@@ -101,7 +101,19 @@ def linear_variants(kern, weights: list[torch.Tensor], ms: list[int]) -> dict[st
         v["torch _weight_int8pack_mm"] = (list(zip(q8, scales)), lambda x, q, s: torch._weight_int8pack_mm(x, q, s))
         v["ours q8_0 (x int8)"] = ([quantize_q8_0(w) for w in weights], lambda x, q, d: kern.linear_q8_0(x, q, d))
         v["ours q4_1 (x int8)"] = ([quantize_q4_1(w) for w in weights], lambda x, q, d, m: kern.linear_q4_1(x, q, d, m))
+        for fmt, quantize in (("q8_0", quantize_q8_0), ("q4_1", quantize_q4_1)):  # the float32 default on GGUF files
+            blocks = [BlockPanelLinear((fmt, quantize(w)), None, kern) for w in weights]
+            by_panels = {id(b.panels): b for b in blocks}
+            v[f"ours fp32 from {fmt} blocks"] = ([(b.panels,) for b in blocks],
+                                                 lambda x, t, by_panels=by_panels: by_panels[id(t)].op(x))
     return v
+
+
+def in_features(t: torch.Tensor) -> int:
+    """K of a variant's first packed tensor: block panels [P, K / 32, bytes], nibbles [N, K / 2], else [.., K, ..]."""
+    if t.dtype == torch.uint8:
+        return t.shape[1] * (QK if t.dim() == 3 else 2)
+    return t.shape[1]
 
 
 def bench_linear(kern, layers: int, ms: list[int], bw: float, reps: int) -> None:
@@ -114,8 +126,7 @@ def bench_linear(kern, layers: int, ms: list[int], bw: float, reps: int) -> None
     best = {(name, m): float("inf") for name in variants for m in ms}
     for m in ms:
         xs = {HIDDEN: torch.randn(m, HIDDEN), INTER: torch.randn(m, INTER)}
-        calls = {name: (lambda args=args, fn=fn: [fn(xs[a[0].shape[1] * (2 if a[0].dtype == torch.uint8 else 1)],
-                                                     *a) for a in args])
+        calls = {name: (lambda args=args, fn=fn: [fn(xs[in_features(a[0])], *a) for a in args])
                  for name, (args, fn) in variants.items() if fn is not None}
         if m > 8:  # no AVX2 path: tens of seconds per pass
             calls.pop("torch _weight_int8pack_mm", None)
