@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from twophase.model.ops.extension import load_kernels
 from twophase.model.ops.linear import BlockPanelLinear, KernelLinear
-from twophase.model.ops.quant import QK, quantize_q4_1, quantize_q8_0
+from twophase.model.ops.quant import quantize_q4_1, quantize_q8_0
 from twophase.model.attention import reference_paged_attention
 
 HIDDEN, INTER, LAYERS, VOCAB, HEADS, KV_HEADS, HEAD_DIM = 576, 1536, 30, 49152, 9, 3, 64
@@ -80,7 +80,8 @@ def make_weights(shapes: list[tuple[int, int]]) -> list[torch.Tensor]:
 
 
 def linear_variants(kern, weights: list[torch.Tensor], ms: list[int]) -> dict[str, tuple[list, Callable]]:
-    """name -> (per-matrix packed args, fn(x, *args)); built lazily so peak memory stays moderate."""
+    """name -> (per-matrix packed args in the order of ``weights``, fn(x, *args)); built lazily so peak memory stays
+    moderate."""
     v: dict[str, tuple[list, Callable]] = {
         "torch F.linear fp32": ([(w,) for w in weights], lambda x, w: F.linear(x, w)),
     }
@@ -89,31 +90,25 @@ def linear_variants(kern, weights: list[torch.Tensor], ms: list[int]) -> dict[st
         v["prepacked fp32 (oneDNN)"] = ([(w,) for w in weights], lambda x, w: gemms[id(w)](x))
     if kern is not None:
         for name, dtype in (("ours fp32 (panels)", torch.float32), ("ours bf16 (panels)", torch.bfloat16)):
-            packed = [KernelLinear(w.to(dtype), None, kern) for w in weights]
-            by_tensor = {id(p.panels): p for p in packed}
-            v[name] = ([(p.panels,) for p in packed], lambda x, t, by_tensor=by_tensor: by_tensor[id(t)].op(x))
+            v[name] = op_variant([KernelLinear(w.to(dtype), None, kern) for w in weights], lambda p: (p.panels,))
         scales = [w.abs().amax(1) / 127 for w in weights]
         q8 = [(w / s[:, None]).round().to(torch.int8) for w, s in zip(weights, scales)]
-        packed = [KernelLinear(q, None, kern, scale=s) for q, s in zip(q8, scales)]
-        by_tensor = {id(p.panels): p for p in packed}
-        v["ours int8 (panels)"] = ([(p.panels, p.scale) for p in packed],
-                                   lambda x, t, s, by_tensor=by_tensor: by_tensor[id(t)].op(x))
+        v["ours int8 (panels)"] = op_variant([KernelLinear(q, None, kern, scale=s) for q, s in zip(q8, scales)],
+                                             lambda p: (p.panels, p.scale))
         v["torch _weight_int8pack_mm"] = (list(zip(q8, scales)), lambda x, q, s: torch._weight_int8pack_mm(x, q, s))
         v["ours q8_0 (x int8)"] = ([quantize_q8_0(w) for w in weights], lambda x, q, d: kern.linear_q8_0(x, q, d))
         v["ours q4_1 (x int8)"] = ([quantize_q4_1(w) for w in weights], lambda x, q, d, m: kern.linear_q4_1(x, q, d, m))
         for fmt, quantize in (("q8_0", quantize_q8_0), ("q4_1", quantize_q4_1)):  # the float32 default on GGUF files
-            blocks = [BlockPanelLinear((fmt, quantize(w)), None, kern) for w in weights]
-            by_panels = {id(b.panels): b for b in blocks}
-            v[f"ours fp32 from {fmt} blocks"] = ([(b.panels,) for b in blocks],
-                                                 lambda x, t, by_panels=by_panels: by_panels[id(t)].op(x))
+            v[f"ours fp32 from {fmt} blocks"] = op_variant(
+                [BlockPanelLinear((fmt, quantize(w)), None, kern) for w in weights], lambda p: (p.panels,))
     return v
 
 
-def in_features(t: torch.Tensor) -> int:
-    """K of a variant's first packed tensor: block panels [P, K / 32, bytes], nibbles [N, K / 2], else [.., K, ..]."""
-    if t.dtype == torch.uint8:
-        return t.shape[1] * (QK if t.dim() == 3 else 2)
-    return t.shape[1]
+def op_variant(layers: list, packed: Callable) -> tuple[list, Callable]:
+    """A variant over layers with a C++ ``op``: args their packed tensors (``packed(layer)``, the bytes counted),
+    fn runs the layer whose first packed tensor it is given."""
+    by_tensor = {id(packed(layer)[0]): layer for layer in layers}
+    return [packed(layer) for layer in layers], lambda x, t, *_: by_tensor[id(t)].op(x)
 
 
 def bench_linear(kern, layers: int, ms: list[int], bw: float, reps: int) -> None:
@@ -126,7 +121,7 @@ def bench_linear(kern, layers: int, ms: list[int], bw: float, reps: int) -> None
     best = {(name, m): float("inf") for name in variants for m in ms}
     for m in ms:
         xs = {HIDDEN: torch.randn(m, HIDDEN), INTER: torch.randn(m, INTER)}
-        calls = {name: (lambda args=args, fn=fn: [fn(xs[in_features(a[0])], *a) for a in args])
+        calls = {name: (lambda args=args, fn=fn: [fn(xs[w.shape[1]], *a) for w, a in zip(weights, args)])
                  for name, (args, fn) in variants.items() if fn is not None}
         if m > 8:  # no AVX2 path: tens of seconds per pass
             calls.pop("torch _weight_int8pack_mm", None)
