@@ -237,10 +237,13 @@ def test_decoder_stack_is_bit_identical_to_the_python_layer_loop(fixture, quanti
     assert [o.logprobs for o in ours] == [o.logprobs for o in theirs]
 
 
-def test_decoder_stack_is_bit_identical_to_the_loop_under_bfloat16_gemms(tiny_llama_dir):
+def test_decoder_stack_is_bit_identical_to_the_loop_under_bfloat16_gemms(tiny_llama_dir, monkeypatch):
     """With bfloat16 GEMM copies the stack hands gate_up's bfloat16 result to SiLU-and-mul unwidened
     (``silu_and_mul_widened``) where the loop widens it, then rounds the float32 product for down's GEMM: the same
-    logits bit for bit, over 70 rows (GEMMs) and a 50-token prompt (the SDPA prefill)."""
+    logits bit for bit, over 70 rows (GEMMs) and a 50-token prompt (the SDPA prefill, taken as on an AMX CPU)."""
+    from twophase.engine import hardware
+
+    monkeypatch.setattr(hardware, "cpu_has_amx", lambda: True)
     prompts = [[(7 * i) % 60 + 2 for i in range(50)], [3] * 20]
     stacked = make_llm(tiny_llama_dir, dtype="float32", gemm_dtype="bfloat16")
     looped = make_llm(tiny_llama_dir, dtype="float32", gemm_dtype="bfloat16")
@@ -249,6 +252,20 @@ def test_decoder_stack_is_bit_identical_to_the_loop_under_bfloat16_gemms(tiny_ll
     for ours, theirs in zip(packed_logits(stacked, prompts), packed_logits(looped, prompts)):
         assert torch.equal(ours, theirs)
     assert stacked.engine.model_runner.model.stack
+
+
+@pytest.mark.parametrize("amx", [False, True])
+def test_sdpa_prefill_only_on_amx_cpus(tiny_llama_dir, monkeypatch, amx):
+    """Prefill chunks go to torch's bfloat16 SDPA only under bfloat16 GEMMs and cache on a CPU with AMX (without it
+    torch's flash attention multiplies at its float32 rate and the kernel is faster); never in float32."""
+    from twophase.engine import hardware
+    from twophase.model.attention import DENSE_MIN_QUERIES
+
+    monkeypatch.setattr(hardware, "cpu_has_amx", lambda: amx)
+    bf16 = make_llm(tiny_llama_dir, dtype="float32", gemm_dtype="bfloat16").engine.model_runner
+    fp32 = make_llm(tiny_llama_dir, dtype="float32").engine.model_runner
+    assert bf16.backend.dense_min_queries == (DENSE_MIN_QUERIES if amx else 0)
+    assert fp32.backend.dense_min_queries == 0
 
 
 def test_silu_and_mul_widened_rounds_the_float32_result_once(kernels):

@@ -38,6 +38,11 @@ def cpu_has_fast_bf16() -> bool:
     return bool(probe and getattr(probe, "_is_avx512_bf16_supported", lambda: False)())
 
 
+def cpu_has_amx() -> bool:
+    """True when the CPU has AMX tiles for bfloat16 (where torch's CPU flash attention runs its products on them)."""
+    return "amx_bf16" in cpu_flags()
+
+
 def physical_cores() -> int:
     """Physical cores this process may run on (hyper-threads counted once)."""
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -173,8 +173,8 @@ def reference_paged_attention(
     return backend.attend(q, k_cache, v_cache, meta)
 
 
-# Queries of one request from which a bfloat16 engine attends through torch's SDPA (flash attention on AMX /
-# AVX512-BF16) instead of the kernel: measured on 2 Xeon cores over 256 keys, SDPA took 0.88x / 0.99x the kernel's
+# Queries of one request from which a bfloat16 engine on an AMX CPU (``ModelRunner._dense_prefill``) attends through
+# torch's SDPA (flash attention on AMX) instead of the kernel: measured on 2 Xeon cores over 256 keys, SDPA took 0.88x / 0.99x the kernel's
 # time at 16 / 32 queries and 1.8x less from 64 on (2.5x at 512).
 DENSE_MIN_QUERIES = 48
 DENSE_DISABLE_ENV = "TWOPHASE_NO_DENSE_PREFILL"  # =1: the kernel for every request (A/B timing)

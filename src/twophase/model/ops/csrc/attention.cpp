@@ -309,7 +309,7 @@ void run_items(const Args& a, const std::vector<WorkItem>& items, const QT* q, Q
 
 // Request r's rows of out through torch's scaled_dot_product_attention in bfloat16: its context's K / V gathered
 // from the cache blocks ([seq, KVH, D]), the queries rounded to bfloat16, causal with the queries at the end of the
-// context (lower right). torch's CPU flash attention runs the products on AMX / AVX512-BF16: 1.8-2.6x this file's
+// context (lower right). torch's CPU flash attention runs the products on AMX: 1.8-2.6x this file's
 // kernel from 64 queries on (2 Xeon cores, 256-1024 keys), even with the gather.
 void dense_request(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_table, int64_t seq, int64_t tok0, int64_t q_len, int64_t block_size,
