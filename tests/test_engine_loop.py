@@ -107,7 +107,13 @@ def test_ctrl_c_during_the_build_waits_for_it_then_stops() -> None:
         steps.append("finished")
         return 1
 
-    with pytest.raises(KeyboardInterrupt):
-        build_off_main_thread(build)
+    # Python's own SIGINT handler, whatever the test run inherited (a shell's background job starts with SIGINT
+    # ignored, and Python then installs none: the signal above would be dropped)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            build_off_main_thread(build)
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert steps == ["finished"]
     assert not any(t.name == "twophase-build" for t in threading.enumerate())
