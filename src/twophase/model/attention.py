@@ -173,9 +173,9 @@ def reference_paged_attention(
     return backend.attend(q, k_cache, v_cache, meta)
 
 
-# Queries of one request from which a bfloat16 engine on an AMX CPU (``ModelRunner._dense_prefill``) attends through
-# torch's SDPA (flash attention on AMX) instead of the kernel: measured on 2 Xeon cores over 256 keys, SDPA took 0.88x / 0.99x the kernel's
-# time at 16 / 32 queries and 1.8x less from 64 on (2.5x at 512).
+# Queries of one request from which a bfloat16 engine on an AMX CPU (``ModelRunner._dense_prefill``) attends
+# through torch's SDPA (flash attention on AMX) instead of the kernel: measured on 2 Xeon cores over 256 keys, SDPA
+# took 0.88x / 0.99x the kernel's time at 16 / 32 queries and 1.8x less from 64 on (2.5x at 512).
 DENSE_MIN_QUERIES = 48
 DENSE_DISABLE_ENV = "TWOPHASE_NO_DENSE_PREFILL"  # =1: the kernel for every request (A/B timing)
 
@@ -185,7 +185,8 @@ class KernelPagedAttention:
     cache blocks (each byte once per query head group), causal by position, float32 accumulation.
     ``dense_min_queries`` (0: never): a request with at least that many queries in the step (a prefill chunk) runs
     through torch's SDPA in bfloat16 instead, over its context gathered from the cache — for engines that already
-    run their GEMMs in bfloat16 (it rounds the queries to bfloat16, and the scores' sums take another order)."""
+    run their GEMMs in bfloat16 on an AMX CPU (it rounds the queries to bfloat16, and the scores' sums take another
+    order)."""
 
     name = "kernel"
 
@@ -219,7 +220,7 @@ def make_attention_backend(
 ) -> AttentionBackend:
     """'torch' (reference), 'kernel' (C++, CPU, float32/bfloat16), or 'auto': the kernel where it applies and
     builds, else torch. ``dense_prefill``: the kernel hands prefill chunks of ``DENSE_MIN_QUERIES`` or more
-    queries to torch's bfloat16 SDPA (for bfloat16 GEMM engines)."""
+    queries to torch's bfloat16 SDPA (bfloat16 GEMM engines on an AMX CPU: ``ModelRunner._dense_prefill``)."""
     if name not in ("auto", "torch", "kernel"):
         raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or kernel")
     if name == "kernel" and dtype not in KERNEL_DTYPES:
