@@ -237,13 +237,15 @@ def test_decoder_stack_is_bit_identical_to_the_python_layer_loop(fixture, quanti
     assert [o.logprobs for o in ours] == [o.logprobs for o in theirs]
 
 
-def test_decoder_stack_is_bit_identical_to_the_loop_under_bfloat16_gemms(tiny_llama_dir, monkeypatch):
+@pytest.mark.parametrize("amx", [False, True])
+def test_decoder_stack_is_bit_identical_to_the_loop_under_bfloat16_gemms(tiny_llama_dir, monkeypatch, amx):
     """With bfloat16 GEMM copies the stack hands gate_up's bfloat16 result to SiLU-and-mul unwidened
     (``silu_and_mul_widened``) where the loop widens it, then rounds the float32 product for down's GEMM: the same
-    logits bit for bit, over 70 rows (GEMMs) and a 50-token prompt (the SDPA prefill, taken as on an AMX CPU)."""
+    logits bit for bit, over 70 rows (GEMMs) and a 50-token prompt. As on an AMX CPU: oneDNN's GEMMs and the SDPA
+    prefill; without AMX: the AVX512-BF16 dot-product GEMM below 128 rows (where the kernels have it)."""
     from twophase.engine import hardware
 
-    monkeypatch.setattr(hardware, "cpu_has_amx", lambda: True)
+    monkeypatch.setattr(hardware, "cpu_has_amx", lambda: amx)
     prompts = [[(7 * i) % 60 + 2 for i in range(50)], [3] * 20]
     stacked = make_llm(tiny_llama_dir, dtype="float32", gemm_dtype="bfloat16")
     looped = make_llm(tiny_llama_dir, dtype="float32", gemm_dtype="bfloat16")
@@ -476,6 +478,36 @@ def test_gemm_weight_takes_rows_from_its_threshold(kernels, monkeypatch):
     x = torch.randn(17, 96)
     assert refused.gemm_packed is None
     assert torch.equal(refused(x), torch.nn.functional.linear(x.bfloat16(), weight.bfloat16()).float() + bias)
+
+
+def test_dot_weight_takes_the_rows_below_the_prepacked_limit(kernels):
+    """``use_gemm_weights(..., dot_products=True)`` (a CPU with AVX512-BF16 and no AMX): from the threshold to
+    PREPACKED_MAX_ROWS rows the projection gives the dot-product kernel's bits (``bf16_gemm``, widened, then the bias),
+    from there on torch's GEMM on the bfloat16 weight, below the threshold the panels; no oneDNN copy is kept. A build
+    without the kernel keeps oneDNN's."""
+    from twophase.model.ops.gemm import PREPACKED_MAX_ROWS, use_gemm_weights
+
+    torch.manual_seed(4)
+    weight, bias = torch.randn(50, 96), torch.randn(50)
+    layer, plain = KernelLinear(weight, bias, kernels), KernelLinear(weight.clone(), bias, kernels)
+    use_gemm_weights(torch.nn.Sequential(layer), torch.bfloat16, min_rows=4, dot_products=True)
+    if not kernels.bf16_gemm_available():  # as without dot_products
+        other = KernelLinear(weight.clone(), bias, kernels)
+        use_gemm_weights(torch.nn.Sequential(other), torch.bfloat16, min_rows=4)
+        x = torch.randn(17, 96)
+        assert torch.equal(layer(x), other(x))
+        return
+    assert layer.gemm_packed is None
+    packed = kernels.pack_bf16_gemm(weight.bfloat16())
+    for rows in (3, 4, 17, PREPACKED_MAX_ROWS - 1, PREPACKED_MAX_ROWS, 300):
+        x = torch.randn(rows, 96)
+        if rows < 4:
+            expected = plain(x)
+        elif rows < PREPACKED_MAX_ROWS:
+            expected = kernels.bf16_gemm(x, packed, 50, False) + bias
+        else:
+            expected = torch.nn.functional.linear(x.bfloat16(), weight.bfloat16()).float() + bias
+        assert torch.equal(layer(x), expected), rows
 
 
 @pytest.mark.parametrize("fast_bf16", [False, True])

@@ -65,6 +65,57 @@ def test_batch_invariant_kernels_give_each_row_its_result_alone(fmt: str) -> Non
         assert torch.equal(together, alone), f"{fmt}, M={m}"
 
 
+needs_bf16_dot = pytest.mark.skipif(not K.bf16_gemm_available(), reason="the kernels were built without AVX512-BF16")
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (67, 1536), (5, 2), (33, 18)])  # N tails below / above 16 of 32
+@pytest.mark.parametrize("m", [1, 8, 13, 32, 127])
+def test_bf16_gemm_against_float64(m: int, n: int, k: int) -> None:
+    """bf16_gemm: bfloat16 products (exact in float32), float32 sums, the result rounded once to bfloat16. Against the
+    float64 product of the same bfloat16 inputs: within half a bfloat16 step of the result (up to 2**-8 relative) plus the
+    float32 sum's error (1e-5 * sum|x*w|, as assert_dot_close); float32 out is the bfloat16 out widened, bit for bit,
+    and float32 x is rounded to bfloat16 first."""
+    g = torch.Generator().manual_seed(m * 1000 + n)
+    w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(m, k, generator=g)
+    packed = K.pack_bf16_gemm(w)  # [ceil(n / 32), k / 2, 32, 2]
+    assert packed.shape == (-(-n // 32), k // 2, 32, 2)
+    y16, y32 = K.bf16_gemm(x.bfloat16(), packed, n, True), K.bf16_gemm(x, packed, n, False)
+    assert y16.dtype == torch.bfloat16 and y32.dtype == torch.float32 and y16.shape == (m, n)
+    assert torch.equal(y16.float(), y32)
+    xd, wd = x.bfloat16().double(), w.double()
+    ref = xd @ wd.T
+    bound = 2.0**-8 * ref.abs() + 1e-5 * (xd.abs() @ wd.abs().T) + 1e-6
+    err = (y32.double() - ref).abs()
+    assert (err <= bound).all(), f"max err {err.max():.3g}"
+
+
+@needs_bf16_dot
+def test_bf16_gemm_rows_do_not_depend_on_the_batch() -> None:
+    """Each output is one dot-product chain over k in order, whatever tile its row falls in: every row of an M-row
+    call equals that row alone, bit for bit (M = 2 .. 127 spreads rows over tiles of 1-12)."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(100, 576, generator=g).bfloat16()
+    packed = K.pack_bf16_gemm(w)
+    for m in (2, 7, 12, 13, 32, 127):
+        x = torch.randn(m, 576, generator=g)
+        together = K.bf16_gemm(x, packed, 100, False)
+        alone = torch.cat([K.bf16_gemm(x[i : i + 1], packed, 100, False) for i in range(m)])
+        assert torch.equal(together, alone), m
+
+
+def test_bf16_gemm_checks_its_arguments() -> None:
+    """Odd K is refused when packing; a weight of another K or N, or a build without AVX512-BF16, when multiplying."""
+    with pytest.raises(RuntimeError, match="even"):
+        K.pack_bf16_gemm(torch.zeros(4, 5, dtype=torch.bfloat16))
+    packed = K.pack_bf16_gemm(torch.zeros(40, 8, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="AVX512-BF16" if not K.bf16_gemm_available() else "columns"):
+        K.bf16_gemm(torch.zeros(3, 10), packed, 40, False)
+    if K.bf16_gemm_available():
+        with pytest.raises(RuntimeError, match="n does not match"):
+            K.bf16_gemm(torch.zeros(3, 8), packed, 70, False)
+
+
 @pytest.mark.parametrize("m", [1, 3, 17, 64, 300])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("with_bias", [False, True])

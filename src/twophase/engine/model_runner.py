@@ -164,7 +164,7 @@ class ModelRunner:
         if self.gemm_dtype is not None:
             from twophase.model.ops.gemm import use_gemm_weights
 
-            use_gemm_weights(self.model, self.gemm_dtype)
+            use_gemm_weights(self.model, self.gemm_dtype, dot_products=not hardware.cpu_has_amx())
 
     def _check_batch_invariant(self, kernels) -> None:
         """``deterministic`` runs every op through a kernel whose rows do not see each other; refuse otherwise."""

@@ -21,8 +21,14 @@ Kernels (all CPU, OpenMP over torch's intra-op threads, AVX2/FMA with a scalar f
   ``rms_norm(x, weight, eps)``, ``add_rms_norm_(x, residual, weight, eps)`` (residual += x; x = norm(residual)),
   ``silu_and_mul(gate_up)``, ``rotary_cache_(qkv, positions, cos, sin, k_cache, v_cache, slots, heads, kv_heads)``
   (rotate q/k heads in place from the float32 cos / signed-sin tables, store k/v rows at their cache slots).
+- ``bf16_gemm_available()``, ``pack_bf16_gemm(weight)``, ``bf16_gemm(x, packed, n, bf16_out)`` (``csrc/gemm_bf16.cpp``,
+  where the CPU has AVX512-BF16): y = x @ w.T for a bfloat16 w [N, K] (K even) in panels of 32 outputs with k in
+  pairs, x float32 / bfloat16 [M, K] rounded to bfloat16, float32 sums on ``vdpbf16ps``, the result rounded to
+  bfloat16 (``bf16_out``) or those values as float32; written for 8-127 rows.
 - ``LinearOp(kind, tensors, bias=None, batch_invariant=False, out_features=0)``: one packed projection
-  (``panels`` / ``int8`` (panels, scale), both with their ``out_features`` / ``q8_0`` / ``q4_1``) over the linear kernels above; the Python linear layers and the decoder stack both call it.
+  (``panels`` / ``int8`` (panels, scale), both with their ``out_features`` / ``q8_0`` / ``q4_1``) over the linear
+  kernels above; ``set_gemm_weight`` / ``set_dot_weight`` give it torch's or ``bf16_gemm``'s GEMM for many rows
+  (``gemm.py``); the Python linear layers and the decoder stack both call it.
 - ``DecoderStack`` / ``StackLayer`` (``csrc/stack.cpp``): every decoder layer in one call, the kernels above in the
   order of ``model/llama.py``'s loop (see ``ops/stack.py``).
 - ``pack_block_panels_(out, fmt, packed)`` / ``block_panels_equal(panels, weight)``: GGUF Q8_0 / Q4_1 blocks into

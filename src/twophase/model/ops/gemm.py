@@ -33,20 +33,43 @@ def prepack_for_onednn(weight: torch.Tensor, rows: int = 32) -> torch.Tensor | N
         return None
 
 
-def use_gemm_weights(model: nn.Module, dtype: torch.dtype, min_rows: int = GEMM_MIN_ROWS) -> int:
+def use_gemm_weights(model: nn.Module, dtype: torch.dtype, min_rows: int = GEMM_MIN_ROWS,
+                     dot_products: bool = False) -> int:
     """Give every panel-kernel projection of ``model`` a ``dtype`` copy of its weight [out, in] that torch's GEMM
     runs from ``min_rows`` rows on (``LinearOp.set_gemm_weight``: prefill chunks and wide decode steps, on AMX /
-    AVX512-BF16 many times the float32 kernels' rate; rows rounded to ``dtype``, results float32), below
-    ``PREPACKED_MAX_ROWS`` rows on oneDNN's reordered copy. Fewer rows keep the panels (batch-1 decode reads the
-    blocks). Returns how many projections took one."""
+    AVX512-BF16 many times the float32 kernels' rate; rows rounded to ``dtype``, results float32). Below
+    ``PREPACKED_MAX_ROWS`` rows: with ``dot_products`` (a CPU with AVX512-BF16 and no AMX, where oneDNN's small-M
+    GEMM leaves much of the dot-product rate unused) on our AVX512-BF16 kernel (``use_dot_weight``), else on
+    oneDNN's reordered copy. Fewer rows keep the panels (batch-1 decode reads the blocks). Returns how many
+    projections took one."""
     count = 0
     for module in model.modules():
         if isinstance(module, PanelLinear):
             weight = module.unpacked_weight().to(dtype).contiguous()  # [out, in]
             module.register_buffer("gemm_weight", weight)
-            module.gemm_packed = set_gemm_weight(module.op, weight, min_rows)  # opaque: kept alive, not state
+            if dot_products and use_dot_weight(module.op, weight, min_rows):
+                module.gemm_packed = None
+            else:
+                module.gemm_packed = set_gemm_weight(module.op, weight, min_rows)  # opaque: kept alive, not state
             count += 1
     return count
+
+
+def use_dot_weight(op, weight: torch.Tensor, min_rows: int) -> bool:
+    """``op`` takes ``weight`` (bfloat16 [out, in]) from ``min_rows`` rows on, below ``PREPACKED_MAX_ROWS`` rows on
+    the kernels' AVX512-BF16 dot-product GEMM (``bf16_gemm``: one panel of 32 outputs at a time, k in pairs) and
+    from there on torch's; False (nothing set) where the kernels lack it or the shape does not suit it. On 2 Zen 4
+    cores, SmolLM2's four layer shapes at 32 rows took 1.19-1.40x less time than oneDNN's reordered copy, at 8-16
+    rows 1.5-2.5x less (``docs/runs/compare-cpu/README.md``, session 24)."""
+    from twophase.model.ops.extension import load_kernels
+
+    kernels = load_kernels()
+    if (kernels is None or not hasattr(kernels, "bf16_gemm_available") or not kernels.bf16_gemm_available()
+            or weight.dtype != torch.bfloat16 or weight.shape[1] % 2):  # fmt: skip
+        return False
+    op.set_gemm_weight(weight, min_rows, None, 0)
+    op.set_dot_weight(kernels.pack_bf16_gemm(weight), PREPACKED_MAX_ROWS)  # [panels, in / 2, 32, 2]
+    return True
 
 
 def set_gemm_weight(op, weight: torch.Tensor, min_rows: int) -> torch.Tensor | None:

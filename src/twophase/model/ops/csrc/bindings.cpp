@@ -34,6 +34,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &tp::paged_attention, "varlen causal attention over a paged KV cache", py::arg("out"),
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("query_start_loc"), py::arg("block_size"), py::arg("scale"), py::arg("dense_min_queries") = 0);
+  m.def("bf16_gemm_available", &tp::bf16_gemm_available, "whether bf16_gemm was built (AVX512-BF16)");
+  m.def("pack_bf16_gemm", &tp::pack_bf16_gemm, "a bfloat16 weight [n, k] in bf16_gemm's panel layout",
+        py::arg("weight"));
+  m.def("bf16_gemm", &tp::bf16_gemm, "y = x @ w.T on bfloat16 dot products (w packed by pack_bf16_gemm)",
+        py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bf16_out"), py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &tp::rms_norm, "weight * rms_norm(x)", py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("add_rms_norm_", &tp::add_rms_norm_, "in place: residual += x; x = weight * rms_norm(residual)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
@@ -55,7 +60,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("out_features") = 0)
       .def("__call__", &tp::LinearOp::operator(), py::arg("x"), py::call_guard<py::gil_scoped_release>())
       .def("set_gemm_weight", &tp::LinearOp::set_gemm_weight, py::arg("weight"), py::arg("min_rows"),
-           py::arg("packed") = py::none(), py::arg("packed_max_rows") = 0);
+           py::arg("packed") = py::none(), py::arg("packed_max_rows") = 0)
+      .def("set_dot_weight", &tp::LinearOp::set_dot_weight, py::arg("dot"), py::arg("max_rows"));
   py::class_<tp::StackLayer>(m, "StackLayer", "one decoder layer's norms and projections")
       .def(py::init<at::Tensor, at::Tensor, tp::LinearOp, tp::LinearOp, tp::LinearOp, tp::LinearOp>(),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),

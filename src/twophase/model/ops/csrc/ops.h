@@ -41,6 +41,13 @@ at::Tensor linear_q4_1(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                      int64_t block_size, double scale, int64_t dense_min_queries = 0);
+// bfloat16 GEMM on AVX512-BF16 dot products (gemm_bf16.cpp): whether this build has it; a bfloat16 weight [N, K]
+// (K even) in its panel layout; y = x @ W.T for x float32 / bfloat16 [M, K], as bfloat16 or as float32 holding the
+// bfloat16-rounded values. Each output is one chain over k in order whatever M: a row's result never depends on
+// the other rows.
+bool bf16_gemm_available();
+at::Tensor pack_bf16_gemm(const at::Tensor& weight);
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool bf16_out);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);

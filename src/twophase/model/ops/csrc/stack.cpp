@@ -37,6 +37,16 @@ void LinearOp::set_gemm_weight(at::Tensor weight, int64_t min_rows, c10::optiona
   gemm_packed_max_rows_ = packed_max_rows;
 }
 
+void LinearOp::set_dot_weight(at::Tensor dot, int64_t max_rows) {
+  TORCH_CHECK(gemm_weight_.defined() && gemm_weight_.scalar_type() == at::kBFloat16,
+              "LinearOp: set a bfloat16 GEMM weight before its dot-product copy");
+  TORCH_CHECK(dot.dim() == 4 && dot.size(1) * 2 == gemm_weight_.size(1) &&
+                  dot.size(0) == (gemm_weight_.size(0) + dot.size(2) - 1) / dot.size(2),
+              "LinearOp: the dot-product weight must be pack_bf16_gemm of the GEMM weight");
+  dot_ = dot;
+  dot_max_rows_ = max_rows;
+}
+
 namespace {
 // mkldnn::_linear_pointwise(X, W, B, attr, scalars, algorithm): oneDNN's linear on a weight it reordered (what
 // inductor's freezing calls), through the dispatcher (boxed: no C++ header declares it).
@@ -51,6 +61,7 @@ at::Tensor linear_prepacked(const at::Tensor& x, const at::Tensor& packed) {
 }  // namespace
 
 at::Tensor LinearOp::gemm_unwidened(const at::Tensor& x) const {
+  if (takes_dot(x.size(0))) return tp::bf16_gemm(x, dot_, gemm_weight_.size(0), /*bf16_out=*/true);
   const at::Tensor xg = x.to(gemm_weight_.scalar_type());  // [M, K]
   const bool prepacked = gemm_packed_.defined() && x.size(0) < gemm_packed_max_rows_;
   return prepacked ? linear_prepacked(xg, gemm_packed_) : at::linear(xg, gemm_weight_);
@@ -62,7 +73,9 @@ bool LinearOp::gives_bfloat16(int64_t rows) const {
 }
 
 at::Tensor LinearOp::gemm(const at::Tensor& x) const {
-  at::Tensor y = gemm_unwidened(x).to(at::kFloat);
+  // the bfloat16 result widened: by the dot-product kernel as it stores it, else a pass of its own
+  at::Tensor y = takes_dot(x.size(0)) ? tp::bf16_gemm(x, dot_, gemm_weight_.size(0), /*bf16_out=*/false)
+                                      : gemm_unwidened(x).to(at::kFloat);
   if (bias_.has_value() && bias_->defined()) y.add_(*bias_);
   return y;
 }

@@ -21,6 +21,10 @@ class LinearOp {
   // (optional): the same weight reordered by oneDNN (torch.ops.mkldnn._reorder_linear_weight), run by
   // mkldnn::_linear_pointwise below packed_max_rows rows, where it saves the per-call reorder.
   void set_gemm_weight(at::Tensor weight, int64_t min_rows, c10::optional<at::Tensor> packed, int64_t packed_max_rows);
+  // Below max_rows rows (from the GEMM weight's min_rows on), the GEMM runs on bf16_gemm's AVX512-BF16 dot
+  // products instead of torch's: `dot` is the bfloat16 GEMM weight in pack_bf16_gemm's layout. Its result is the same
+  // bfloat16-rounded GEMM result, summed in another order; set_gemm_weight first.
+  void set_dot_weight(at::Tensor dot, int64_t max_rows);
   // Whether `rows` rows take the GEMM on the weight copy, with a bfloat16 result before widening (no bias to add).
   bool gives_bfloat16(int64_t rows) const;
   // The GEMM's own result [M, N] in the copy's dtype (x in any float dtype): operator()'s values before widening.
@@ -37,6 +41,9 @@ class LinearOp {
   int64_t gemm_min_rows_ = 0;
   at::Tensor gemm_packed_;  // undefined: at::linear at every row count from gemm_min_rows_
   int64_t gemm_packed_max_rows_ = 0;
+  at::Tensor dot_;  // undefined: torch's GEMM at every row count from gemm_min_rows_
+  int64_t dot_max_rows_ = 0;
+  bool takes_dot(int64_t rows) const { return dot_.defined() && rows < dot_max_rows_; }
 };
 
 struct StackLayer {
