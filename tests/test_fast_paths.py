@@ -242,7 +242,8 @@ def test_decoder_stack_is_bit_identical_to_the_loop_under_bfloat16_gemms(tiny_ll
     """With bfloat16 GEMM copies the stack hands gate_up's bfloat16 result to SiLU-and-mul unwidened
     (``silu_and_mul_widened``) where the loop widens it, then rounds the float32 product for down's GEMM: the same
     logits bit for bit, over 70 rows (GEMMs) and a 50-token prompt. As on an AMX CPU: oneDNN's GEMMs and the SDPA
-    prefill; without AMX: the AVX512-BF16 dot-product GEMM below 128 rows (where the kernels have it)."""
+    prefill; without AMX: the AVX512-BF16 dot-product GEMM below 128 rows and prefill attention (where the kernels
+    have them)."""
     from twophase.engine import hardware
 
     monkeypatch.setattr(hardware, "cpu_has_amx", lambda: amx)
@@ -257,17 +258,20 @@ def test_decoder_stack_is_bit_identical_to_the_loop_under_bfloat16_gemms(tiny_ll
 
 
 @pytest.mark.parametrize("amx", [False, True])
-def test_sdpa_prefill_only_on_amx_cpus(tiny_llama_dir, monkeypatch, amx):
-    """Prefill chunks go to torch's bfloat16 SDPA only under bfloat16 GEMMs and cache on a CPU with AMX (without it
-    torch's flash attention multiplies at its float32 rate and the kernel is faster); never in float32."""
+def test_bfloat16_prefill_products_by_cpu(tiny_llama_dir, monkeypatch, kernels, amx):
+    """Under bfloat16 GEMMs and cache prefill chunks multiply in bfloat16: through torch's SDPA on a CPU with AMX,
+    else on the kernel's AVX512-BF16 dot products where it has them (torch's flash attention multiplies at its
+    float32 rate there); never in float32. (The stack-vs-loop test above runs both paths in the engine.)"""
     from twophase.engine import hardware
-    from twophase.model.attention import DENSE_MIN_QUERIES
+    from twophase.model.attention import DENSE_MIN_QUERIES, DOT_MIN_QUERIES
 
     monkeypatch.setattr(hardware, "cpu_has_amx", lambda: amx)
     bf16 = make_llm(tiny_llama_dir, dtype="float32", gemm_dtype="bfloat16").engine.model_runner
     fp32 = make_llm(tiny_llama_dir, dtype="float32").engine.model_runner
+    dot = not amx and kernels.bf16_gemm_available()
     assert bf16.backend.dense_min_queries == (DENSE_MIN_QUERIES if amx else 0)
-    assert fp32.backend.dense_min_queries == 0
+    assert bf16.backend.dot_min_queries == (DOT_MIN_QUERIES if dot else 0)
+    assert fp32.backend.dense_min_queries == fp32.backend.dot_min_queries == 0
 
 
 def test_silu_and_mul_widened_rounds_the_float32_result_once(kernels):

@@ -338,28 +338,52 @@ def test_paged_attention_bf16_q_out() -> None:
     torch.testing.assert_close(out.double(), ref, rtol=8e-3, atol=8e-3)
 
 
+@pytest.mark.parametrize("products", ["sdpa", "dot"])
 @pytest.mark.parametrize("block_size", [16, 7])
-def test_paged_attention_dense_prefill(block_size: int) -> None:
-    """Requests with at least ``dense_min_queries`` queries through torch's bfloat16 SDPA: a first chunk (plain
-    causal) and a chunk after 70 cached keys (causal at the lower right) against the float64 reference within
-    bfloat16's rounding of the queries; the other requests' rows are the kernel's own, bit for bit."""
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_bfloat16_prefill(products: str, block_size: int, strided: bool, q_dtype: torch.dtype) -> None:
+    """Requests with at least 9 queries multiply in bfloat16: through torch's SDPA (``dense_min_queries``, over the
+    context gathered from a contiguous cache) or on the kernel's AVX512-BF16 dot products (``dot_min_queries``; the
+    cache also as strided views, K and V of a slot side by side). A first chunk, a chunk after 70 cached keys and a
+    9-token prompt (odd key counts, a query tile of 9 x 3 rows) against the float64 reference within the rounding of
+    queries and probabilities to bfloat16; the other requests' rows are the kernel's float32 ones, bit for bit."""
+    if products == "sdpa" and strided:
+        pytest.skip("the SDPA path views a contiguous cache as blocks")
+    if products == "dot" and not K.bf16_gemm_available():
+        pytest.skip("the kernels were built without AVX512-BF16")
     q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(torch.bfloat16, block_size, seed=9,
                                                           extra_decodes=_many_decodes(), dim=64)
-    kc, vc = kc.contiguous(), vc.contiguous()  # the dense path views the cache as blocks
+    if not strided:
+        kc, vc = kc.contiguous(), vc.contiguous()
+    q = q.to(q_dtype)
     ref = reference_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, qsl, block_size)
-    kernel_only, dense = torch.empty_like(q), torch.full_like(q, float("nan"))
+    kernel_only, ours = torch.empty_like(q), torch.full_like(q, float("nan"))
     K.paged_attention(kernel_only, q, kc, vc, tables, seq_lens, qsl, block_size, scale)
-    K.paged_attention(dense, q, kc, vc, tables, seq_lens, qsl, block_size, scale, dense_min_queries=16)
+    K.paged_attention(ours, q, kc, vc, tables, seq_lens, qsl, block_size, scale,
+                      **{"sdpa": {"dense_min_queries": 9}, "dot": {"dot_min_queries": 9}}[products])
     q_lens = (qsl[1:] - qsl[:-1]).tolist()
     for r, q_len in enumerate(q_lens):
         rows = slice(int(qsl[r]), int(qsl[r + 1]))
-        if q_len >= 16:
-            # queries and probabilities rounded to bfloat16 (2**-9 relative): scores of |q.k| <~ 10 move by <~ 0.02
-            torch.testing.assert_close(dense[rows].double(), ref[rows], rtol=0, atol=2e-2)
-            assert not torch.equal(dense[rows], kernel_only[rows])  # it did take the other path
+        if q_len >= 9:
+            # queries and probabilities rounded to bfloat16 (2**-9 relative): scores of |q.k| <~ 10 move by <~ 0.02;
+            # a bfloat16 q gives a bfloat16 output (2**-8 relative more)
+            torch.testing.assert_close(ours[rows].double(), ref[rows], rtol=8e-3 if q_dtype == torch.bfloat16 else 0,
+                                       atol=2e-2)
+            assert not torch.equal(ours[rows], kernel_only[rows])  # it did take the other path
         else:
-            assert torch.equal(dense[rows], kernel_only[rows]), f"request {r}"
-    assert sum(q_len >= 16 for q_len in q_lens) == 2  # the chunk after 70 keys and the 16-token prompt
+            assert torch.equal(ours[rows], kernel_only[rows]), f"request {r}"
+    assert sum(q_len >= 9 for q_len in q_lens) == 3  # the chunk after 70 keys, the 16- and the 9-token prompts
+
+
+def test_paged_attention_dot_prefill_stays_off_where_it_cannot_run() -> None:
+    """A float32 cache, or a head dim other than 64, keeps the float32 products whatever dot_min_queries says."""
+    for cache_dtype, dim in ((torch.float32, 64), (torch.bfloat16, 40)):
+        q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(cache_dtype, 16, seed=2, dim=dim)
+        plain, asked = torch.empty_like(q), torch.empty_like(q)
+        K.paged_attention(plain, q, kc, vc, tables, seq_lens, qsl, 16, scale)
+        K.paged_attention(asked, q, kc, vc, tables, seq_lens, qsl, 16, scale, dot_min_queries=1)
+        assert torch.equal(plain, asked), (cache_dtype, dim)
 
 
 def test_disabled_by_env(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -106,7 +106,7 @@ class ModelRunner:
         self.cache_dtype = resolve_cache_dtype(cache_config.cache_dtype, dtype, self.gemm_dtype)
         self.backend = make_attention_backend(
             options.attention_backend, self.local_config.num_attention_heads, self.local_config.num_key_value_heads,
-            model_config.head_dim, device, dtype, dense_prefill=self._dense_prefill(),
+            model_config.head_dim, device, dtype, prefill_products=self._prefill_products(kernels),
         )  # fmt: skip
         self.model = build_model(self.local_config, max_model_len, dtype, device, self.backend)
         skipped = set()
@@ -136,13 +136,18 @@ class ModelRunner:
 
         return shard_weights(weights, self.tp.plan, self.model_config)
 
-    def _dense_prefill(self) -> bool:
-        """Whether prefill chunks attend through torch's bfloat16 SDPA: only where the GEMMs and the cache are
-        bfloat16 already and the CPU has AMX. Without AMX torch's CPU flash attention multiplies bfloat16 at its
-        float32 rate, and the kernel is faster: one 512-token prompt a layer, 2 Zen 4 cores (AVX512-BF16), 4.5-4.7 ms
-        in the kernel against 5.9-6.5 through SDPA; 8 x 256 tokens 9.1-11.6 against 12.2-15.2 (on 2 AMX Xeon cores
-        SDPA took 1.8-2.5x less than the kernel from 64 queries on)."""
-        return self.cache_dtype == self.gemm_dtype == torch.bfloat16 and hardware.cpu_has_amx()
+    def _prefill_products(self, kernels) -> str:
+        """How the kernel attention multiplies prefill chunks (``attention.make_attention_backend``): in bfloat16 only
+        where the GEMMs and the cache are bfloat16 already; there, through torch's SDPA on a CPU with AMX, else on the
+        kernel's AVX512-BF16 dot products where it has them. Without AMX torch's CPU flash attention multiplies
+        bfloat16 at its float32 rate: one 512-token prompt a layer, 2 Zen 4 cores, 4.5-4.7 ms in the kernel's
+        float32 products against 5.9-6.5 through SDPA; 8 x 256 tokens 9.1-11.6 against 12.2-15.2 (on 2 AMX Xeon
+        cores SDPA took 1.8-2.5x less than the kernel from 64 queries on)."""
+        if not self.cache_dtype == self.gemm_dtype == torch.bfloat16:
+            return "float32"
+        if hardware.cpu_has_amx():
+            return "sdpa"
+        return "dot" if kernels is not None and kernels.bf16_gemm_available() else "float32"
 
     def _linear_kernels(self, options: RunnerOptions):
         """The C++ kernels module the linear layers run on (CPU, ``--linear-backend auto``, built), else None."""

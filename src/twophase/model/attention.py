@@ -173,11 +173,17 @@ def reference_paged_attention(
     return backend.attend(q, k_cache, v_cache, meta)
 
 
-# Queries of one request from which a bfloat16 engine on an AMX CPU (``ModelRunner._dense_prefill``) attends
+# Queries of one request from which a bfloat16 engine on an AMX CPU (``ModelRunner._prefill_products``) attends
 # through torch's SDPA (flash attention on AMX) instead of the kernel: measured on 2 Xeon cores over 256 keys, SDPA
 # took 0.88x / 0.99x the kernel's time at 16 / 32 queries and 1.8x less from 64 on (2.5x at 512).
 DENSE_MIN_QUERIES = 48
-DENSE_DISABLE_ENV = "TWOPHASE_NO_DENSE_PREFILL"  # =1: the kernel for every request (A/B timing)
+DENSE_DISABLE_ENV = "TWOPHASE_NO_DENSE_PREFILL"  # =1: float32 products in the kernel for every request (A/B timing)
+# Queries of one request from which a bfloat16 engine on a CPU with AVX512-BF16 and no AMX attends on the kernel's
+# bfloat16 dot products (``attend_dot`` in csrc/attention.cpp: flash attention's rounding, on vdpbf16ps). On 2 Zen 4
+# cores, 8 requests over 256 keys a layer: 1.7x / 2.0x less time than the float32 products at 8 / 16 queries each
+# (1.6x at 5); whole prompts of 256 / 512 tokens 1.7x. Decode rows and short speculative checks stay in float32.
+DOT_MIN_QUERIES = 8
+PREFILL_PRODUCTS = ("float32", "sdpa", "dot")  # how prefill chunks multiply (make_attention_backend)
 
 
 class KernelPagedAttention:
@@ -186,15 +192,18 @@ class KernelPagedAttention:
     ``dense_min_queries`` (0: never): a request with at least that many queries in the step (a prefill chunk) runs
     through torch's SDPA in bfloat16 instead, over its context gathered from the cache — for engines that already
     run their GEMMs in bfloat16 on an AMX CPU (it rounds the queries to bfloat16, and the scores' sums take another
-    order)."""
+    order). ``dot_min_queries`` (0: never): such a request runs in the kernel on bfloat16 dot products (bfloat16
+    cache, head dim 64, AVX512-BF16 builds), the queries and probabilities rounded to bfloat16 as SDPA rounds them."""
 
     name = "kernel"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernels, dense_min_queries: int = 0) -> None:
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernels, dense_min_queries: int = 0,
+                 dot_min_queries: int = 0) -> None:  # fmt: skip
         self.num_heads = num_heads
         self.scale = head_dim**-0.5
         self.kernels = kernels
         self.dense_min_queries = dense_min_queries
+        self.dot_min_queries = dot_min_queries
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Nothing beyond the common metadata."""
@@ -206,7 +215,7 @@ class KernelPagedAttention:
             q = q.contiguous()
         self.kernels.paged_attention(
             out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.block_size, self.scale, self.dense_min_queries,
+            meta.block_size, self.scale, self.dense_min_queries, self.dot_min_queries,
         )  # fmt: skip
         return out
 
@@ -216,13 +225,17 @@ KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
 def make_attention_backend(
     name: str, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype,
-    dense_prefill: bool = False,
+    prefill_products: str = "float32",
 ) -> AttentionBackend:
     """'torch' (reference), 'kernel' (C++, CPU, float32/bfloat16), or 'auto': the kernel where it applies and
-    builds, else torch. ``dense_prefill``: the kernel hands prefill chunks of ``DENSE_MIN_QUERIES`` or more
-    queries to torch's bfloat16 SDPA (bfloat16 GEMM engines on an AMX CPU: ``ModelRunner._dense_prefill``)."""
+    builds, else torch. ``prefill_products`` (``ModelRunner._prefill_products``): how the kernel multiplies prefill
+    chunks: ``float32`` as every row, ``sdpa`` (bfloat16 GEMM engines on an AMX CPU): chunks of
+    ``DENSE_MIN_QUERIES`` or more queries through torch's bfloat16 SDPA, ``dot`` (the same without AMX): chunks of
+    ``DOT_MIN_QUERIES`` or more on the kernel's bfloat16 dot products."""
     if name not in ("auto", "torch", "kernel"):
         raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or kernel")
+    if prefill_products not in PREFILL_PRODUCTS:
+        raise ValueError(f"unknown prefill products {prefill_products!r}; choose one of {PREFILL_PRODUCTS}")
     if name == "kernel" and dtype not in KERNEL_DTYPES:
         raise ValueError(f"attention backend 'kernel' supports float32 and bfloat16, not {dtype}")
     if name != "torch" and device.type == "cpu" and dtype in KERNEL_DTYPES:
@@ -230,9 +243,11 @@ def make_attention_backend(
 
         kernels = load_kernels()
         if kernels is not None:
-            dense_off = os.environ.get(DENSE_DISABLE_ENV, "") not in ("", "0")
-            dense = DENSE_MIN_QUERIES if dense_prefill and not dense_off else 0
-            return KernelPagedAttention(num_heads, num_kv_heads, head_dim, kernels, dense)
+            if os.environ.get(DENSE_DISABLE_ENV, "") not in ("", "0"):
+                prefill_products = "float32"
+            dense = DENSE_MIN_QUERIES if prefill_products == "sdpa" else 0
+            dot = DOT_MIN_QUERIES if prefill_products == "dot" else 0
+            return KernelPagedAttention(num_heads, num_kv_heads, head_dim, kernels, dense, dot)
         if name == "kernel":
             raise RuntimeError("attention backend 'kernel' asked for, but the C++ kernels could not be built")
     elif name == "kernel":

@@ -5,6 +5,7 @@
 #include <limits>
 #include <vector>
 #include "common.h"
+#include "dot_bf16.h"
 #include "ops.h"
 
 namespace tp {
@@ -32,15 +33,21 @@ struct Args {
   int64_t q_s0, o_s0, k_s0, k_s1, v_s0, v_s1;  // element strides: q token, out token; cache slot and head
   float scale;
   const int32_t *block_tables, *seq_lens, *qsl;
+  int64_t dot_min_queries;  // requests with this many queries (0: none) take attend_dot (bfloat16 cache, D = 64)
 };
 
 // Per-thread scratch, sized for one work item.
 struct Scratch {
   std::vector<float> q, acc, s, m, l, kbuf, vbuf, row;  // k/vbuf: a chunk widened; row: one row, off AVX2
   std::vector<int64_t> pos;
+  // attend_dot: the queries and probabilities as bfloat16 pairs (rows' blocks, pair-major), a key chunk's K and
+  // V in panels ([pairs][32][2] bfloat16: K with d in pairs and keys as columns, V with keys in pairs and d as columns)
+  std::vector<int32_t> qp, pp;
+  std::vector<uint16_t> kpanel, vpanel, row16;
   Scratch(int64_t rows, int64_t D)
       : q(rows * D), acc(rows * D), s(rows * KEY_CHUNK), m(rows), l(rows), kbuf(KEY_CHUNK * D),
-        vbuf(KEY_CHUNK * D), row(D), pos(rows) {}
+        vbuf(KEY_CHUNK * D), row(D), pos(rows), qp(rows * D / 2), pp(rows * KEY_CHUNK / 2),
+        kpanel(KEY_CHUNK * D), vpanel(KEY_CHUNK * D), row16(std::max<int64_t>(D, KEY_CHUNK)) {}
 };
 
 // Row pointers of keys/values p0..p0+n-1 of one kv head, in place (bfloat16 rows are widened where they are read,
@@ -298,13 +305,143 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
   }
 }
 
+#ifdef TP_HAVE_BF16_DOT
+static_assert(KEY_CHUNK == kDotCols, "attend_dot scores one key chunk as one panel of 32 columns");
+constexpr int64_t kMaxDotBlocks = 16;  // tiles of rows an item may take (Q_TILE x groups rows: 192, 16 query heads a kv head)
+
+// attend() for a prefill item (one kv head, bfloat16 cache, D == 64) on AVX512-BF16 dot products, as flash
+// attention runs in bfloat16: the scaled queries and each chunk's probabilities rounded to bfloat16, products summed
+// in float32. Per 32-key chunk: S = Q K^T (tiles of up to 12 rows x the chunk's 32 keys, d in pairs), the causal mask,
+// the online softmax in float32 (S's unrounded values; l sums the unrounded probabilities), then O = O * alpha + P V
+// (keys in pairs, d as two panels of 32). Rows as in attend: rr = (i - q0) * G + gh.
+template <class QT>
+void attend_dot(const Args& a, const WorkItem& w, const QT* q, QT* out, const uint16_t* kc, const uint16_t* vc,
+                Scratch& sc) {
+  constexpr int64_t D = 64, DP = D / 2, KP = KEY_CHUNK / 2;
+  const int64_t G = a.groups, bs = a.block_size, g = w.kv0;
+  const int64_t seq = a.seq_lens[w.req], tok0 = a.qsl[w.req];
+  const int64_t q_len = a.qsl[w.req + 1] - tok0, start = seq - q_len, rows = w.rows(G);
+  const int64_t blocks = (rows + kDotMaxRows - 1) / kDotMaxRows;
+  int64_t starts[kMaxDotBlocks + 1];
+  for (int64_t b = 0; b <= blocks; ++b) starts[b] = b * rows / blocks;
+  for (int64_t rr = 0; rr < rows; ++rr) {
+    const int64_t i = w.q0 + rr / G;
+    convert(sc.q.data() + rr * D, q + (tok0 + i) * a.q_s0 + (g * G + rr % G) * D, D);
+    scale_f32(sc.q.data() + rr * D, a.scale, D);
+    sc.pos[rr] = start + i;
+  }
+  for (int64_t b = 0; b < blocks; ++b)
+    pack_pairs(sc.q.data(), D, starts[b], starts[b + 1] - starts[b], D, sc.qp.data() + starts[b] * DP, sc.row16.data());
+  std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.f);
+  std::fill(sc.m.begin(), sc.m.begin() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
+  const int32_t* bt = a.block_tables + w.req * a.max_blocks;
+  const int64_t last = start + w.q1 - 1;  // furthest key position any row sees
+  int32_t* kp32 = reinterpret_cast<int32_t*>(sc.kpanel.data());  // [DP][32 keys]: one int32 = a key's d pair
+  for (int64_t p0 = 0; p0 <= last; p0 += KEY_CHUNK) {
+    const int64_t n = std::min(KEY_CHUNK, last + 1 - p0);
+    const uint16_t* K[KEY_CHUNK];
+    const uint16_t* V[KEY_CHUNK];
+    kv_rows(kc, a.k_s0, g * a.k_s1, bt, bs, p0, n, K);
+    kv_rows(vc, a.v_s0, g * a.v_s1, bt, bs, p0, n, V);
+    // K^T as a panel (keys past n zero), V with keys in pairs (rows past n zero: their probabilities are 0, and
+    // 0 x whatever lies there could be NaN)
+    for (int64_t j = 0; j < KEY_CHUNK; ++j) {
+      int32_t pairs_of_key[DP];
+      if (j < n) std::memcpy(pairs_of_key, K[j], D * sizeof(uint16_t));
+      else std::fill(pairs_of_key, pairs_of_key + DP, 0);
+      for (int64_t dp = 0; dp < DP; ++dp) kp32[dp * KEY_CHUNK + j] = pairs_of_key[dp];
+    }
+    // unpack interleaves within 128-bit lanes (lane k of lo: d 8k..8k+3 of both keys, of hi: 8k+4..8k+7): the
+    // permutes put a panel row's 32 pairs in d order
+    const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    for (int64_t kp = 0; kp < KP; ++kp) {
+      const int64_t j0 = 2 * kp, j1 = 2 * kp + 1;
+      for (int64_t c = 0; c < D / kDotCols; ++c) {  // panel c: d 32c .. 32c + 31, each as (key j0, key j1)
+        const __m512i v0 = j0 < n ? _mm512_loadu_si512(V[j0] + c * kDotCols) : _mm512_setzero_si512();
+        const __m512i v1 = j1 < n ? _mm512_loadu_si512(V[j1] + c * kDotCols) : _mm512_setzero_si512();
+        const __m512i lo = _mm512_unpacklo_epi16(v0, v1), hi = _mm512_unpackhi_epi16(v0, v1);
+        uint16_t* dst = sc.vpanel.data() + (c * KP + kp) * 2 * kDotCols;
+        _mm512_storeu_si512(dst, _mm512_permutex2var_epi64(lo, first, hi));
+        _mm512_storeu_si512(dst + kDotCols, _mm512_permutex2var_epi64(lo, second, hi));
+      }
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t r0 = starts[b];
+      float* s = sc.s.data() + r0 * KEY_CHUNK;
+      with_tile_rows(starts[b + 1] - r0, [&](auto mr) {
+        dot_tile<decltype(mr)::value>(sc.qp.data() + r0 * DP, sc.kpanel.data(), DP, nullptr, 0,
+                                      [&](int r, __m512 c0, __m512 c1) {
+                                        _mm512_storeu_ps(s + r * KEY_CHUNK, c0);
+                                        _mm512_storeu_ps(s + r * KEY_CHUNK + 16, c1);
+                                      });
+      });
+    }
+    for (int64_t rr = 0; rr < rows; ++rr) {
+      float* s = sc.s.data() + rr * KEY_CHUNK;
+      const int64_t nv = std::max<int64_t>(0, std::min(n, sc.pos[rr] - p0 + 1));  // causal: keys p0..pos
+      float alpha = 1.f;
+      if (nv > 0) {
+        const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+        const uint32_t valid = nv >= 32 ? 0xffffffffu : (1u << nv) - 1;
+        const __m512 lo = _mm512_mask_loadu_ps(none, static_cast<__mmask16>(valid), s);
+        const __m512 hi = _mm512_mask_loadu_ps(none, static_cast<__mmask16>(valid >> 16), s + 16);
+        const float mx = std::max(sc.m[rr], _mm512_reduce_max_ps(_mm512_max_ps(lo, hi)));
+        alpha = std::exp(sc.m[rr] - mx);  // 0 on the first chunk (m = -inf)
+        sc.l[rr] = sc.l[rr] * alpha + exp_sub_sum(s, s, mx, nv);
+        sc.m[rr] = mx;
+      }
+      std::fill(s + nv, s + KEY_CHUNK, 0.f);
+      if (alpha != 1.f) scale_f32(sc.acc.data() + rr * D, alpha, D);
+    }
+    for (int64_t b = 0; b < blocks; ++b) {
+      const int64_t r0 = starts[b], n_rows = starts[b + 1] - r0;
+      pack_pairs(sc.s.data(), KEY_CHUNK, r0, n_rows, KEY_CHUNK, sc.pp.data() + r0 * KP, sc.row16.data());
+      for (int64_t c = 0; c < 2; ++c) {
+        float* o = sc.acc.data() + r0 * D + c * kDotCols;
+        with_tile_rows(n_rows, [&](auto mr) {
+          dot_tile<decltype(mr)::value>(sc.pp.data() + r0 * KP, sc.vpanel.data() + c * KP * 2 * kDotCols, KP, o, D,
+                                        [&](int r, __m512 c0, __m512 c1) {
+                                          _mm512_storeu_ps(o + r * D, c0);
+                                          _mm512_storeu_ps(o + r * D + 16, c1);
+                                        });
+        });
+      }
+    }
+  }
+  for (int64_t rr = 0; rr < rows; ++rr) {
+    float* acc = sc.acc.data() + rr * D;
+    scale_f32(acc, sc.l[rr] > 0.f ? 1.f / sc.l[rr] : 0.f, D);
+    convert(out + (tok0 + w.q0 + rr / G) * a.o_s0 + (g * G + rr % G) * D, acc, D);
+  }
+}
+#endif
+
+// Whether item w runs on attend_dot: a request of dot_min_queries or more queries, one kv head, D == 64, where built.
+inline bool takes_dot(const Args& a, const WorkItem& w) {
+#ifdef TP_HAVE_BF16_DOT
+  return a.dot_min_queries > 0 && a.D == 64 && w.kv1 - w.kv0 == 1 && w.rows(a.groups) <= kMaxDotBlocks * kDotMaxRows &&
+         a.qsl[w.req + 1] - a.qsl[w.req] >= a.dot_min_queries;
+#else
+  (void)a, (void)w;
+  return false;
+#endif
+}
+
 // Runs all work items with dynamic scheduling over torch's intra-op threads.
 template <class T, class QT>
 void run_items(const Args& a, const std::vector<WorkItem>& items, const QT* q, QT* out, const T* kc, const T* vc) {
   int64_t max_rows = 0;
   for (const WorkItem& w : items) max_rows = std::max(max_rows, w.rows(a.groups));
   dynamic_for(static_cast<int64_t>(items.size()), [&] { return Scratch(max_rows, a.D); },
-              [&](int64_t i, Scratch& sc) { attend<T, QT>(a, items[i], q, out, kc, vc, sc); });
+              [&](int64_t i, Scratch& sc) {
+#ifdef TP_HAVE_BF16_DOT
+                if constexpr (std::is_same_v<T, uint16_t>) {
+                  if (takes_dot(a, items[i])) return attend_dot<QT>(a, items[i], q, out, kc, vc, sc);
+                }
+#endif
+                attend<T, QT>(a, items[i], q, out, kc, vc, sc);
+              });
 }
 
 // Request r's rows of out through torch's scaled_dot_product_attention in bfloat16: its context's K / V gathered
@@ -336,7 +473,7 @@ void dense_request(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables_in,
                      const at::Tensor& seq_lens_in, const at::Tensor& qsl_in, int64_t block_size, double scale,
-                     int64_t dense_min_queries) {
+                     int64_t dense_min_queries, int64_t dot_min_queries) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, H, D] of equal shape");
   TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2),
@@ -359,7 +496,9 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   TORCH_CHECK(bt.dim() == 2 && bt.size(0) >= R && qsl.size(0) == R + 1, "block_tables [R, B], query_start_loc [R+1]");
   Args a{H, KVH, q.size(2), H / KVH, block_size, bt.size(1), q.stride(0), H * q.size(2),
          k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
-         static_cast<float>(scale), bt.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), qsl.data_ptr<int32_t>()};
+         static_cast<float>(scale), bt.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), qsl.data_ptr<int32_t>(),
+         dot_min_queries};
+  TORCH_CHECK(dot_min_queries >= 0, "dot_min_queries must be >= 0 (0: never)");
   TORCH_CHECK(dense_min_queries >= 0, "dense_min_queries must be >= 0 (0: never)");
   const bool dense_ok = dense_min_queries > 0 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                         k_cache.size(0) % block_size == 0;  // the cache viewed as [blocks, block_size, KVH, D]

@@ -134,7 +134,7 @@ at::Tensor DecoderStack::forward(at::Tensor residual, const at::Tensor& position
     const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads_, head_dim_});
     at::Tensor attn = at::empty({T, heads_, head_dim_}, qkv.options());
     tp::paged_attention(attn, q, k_caches_[i], v_caches_[i], block_tables, seq_lens, query_start_loc, block_size,
-                        scale, dense_min_queries_);
+                        scale, dense_min_queries_, dot_min_queries_);
     h = layer.o(attn.view({T, q_size}));  // [T, hidden]
     tp::add_rms_norm_(h, residual, layer.post_norm, eps_);
     h = mlp(layer, h);

@@ -60,6 +60,8 @@ class DecoderStack {
   // Requests with at least min_queries queries attend through torch's SDPA in bfloat16 (paged_attention's
   // dense_min_queries; 0: never).
   void set_dense_attention(int64_t min_queries) { dense_min_queries_ = min_queries; }
+  // Requests with at least min_queries queries attend on bfloat16 dot products (paged_attention's dot_min_queries).
+  void set_dot_attention(int64_t min_queries) { dot_min_queries_ = min_queries; }
   // residual [T, hidden] fp32 (the embeddings; updated in place) -> the final norm of the last residual [T, hidden].
   at::Tensor forward(at::Tensor residual, const at::Tensor& positions, const at::Tensor& slots,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
@@ -72,7 +74,7 @@ class DecoderStack {
   double eps_;
   int64_t heads_, kv_heads_, head_dim_;
   std::vector<at::Tensor> k_caches_, v_caches_;
-  int64_t dense_min_queries_ = 0;
+  int64_t dense_min_queries_ = 0, dot_min_queries_ = 0;
 };
 
 }  // namespace tp
