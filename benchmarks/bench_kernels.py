@@ -88,6 +88,14 @@ def linear_variants(kern, weights: list[torch.Tensor], ms: list[int]) -> dict[st
     if PrepackedGemm.available():
         gemms = {id(w): PrepackedGemm(w) for w in weights}
         v["prepacked fp32 (oneDNN)"] = ([(w,) for w in weights], lambda x, w: gemms[id(w)](x))
+    bf16 = [w.bfloat16() for w in weights]
+    if PrepackedGemm.available():  # what the engine's bfloat16 GEMMs below 128 rows run on, with AMX
+        gemms16 = {id(w): PrepackedGemm(w) for w in bf16}
+        v["prepacked bf16 (oneDNN)"] = ([(w,) for w in bf16], lambda x, w: gemms16[id(w)](x.bfloat16()).float())
+    if kern is not None and kern.bf16_gemm_available():  # ... and without AMX (gemm.use_dot_weight)
+        dots = {id(w): kern.pack_bf16_gemm(w) for w in bf16}
+        v["ours bf16 dot (AVX512-BF16)"] = ([(w,) for w in bf16],
+                                            lambda x, w: kern.bf16_gemm(x, dots[id(w)], w.shape[0], False))
     if kern is not None:
         for name, dtype in (("ours fp32 (panels)", torch.float32), ("ours bf16 (panels)", torch.bfloat16)):
             v[name] = op_variant([KernelLinear(w.to(dtype), None, kern) for w in weights], lambda p: (p.panels,))
