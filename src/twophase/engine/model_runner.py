@@ -142,7 +142,8 @@ class ModelRunner:
         kernel's AVX512-BF16 dot products where it has them. Without AMX torch's CPU flash attention multiplies
         bfloat16 at its float32 rate: one 512-token prompt a layer, 2 Zen 4 cores, 4.5-4.7 ms in the kernel's
         float32 products against 5.9-6.5 through SDPA; 8 x 256 tokens 9.1-11.6 against 12.2-15.2 (on 2 AMX Xeon
-        cores SDPA took 1.8-2.5x less than the kernel from 64 queries on)."""
+        cores SDPA took 1.8-2.5x less than the kernel from 64 queries on). The dot products took 1.9 / 4.5 ms there
+        (``attention.DOT_MIN_QUERIES``)."""
         if not self.cache_dtype == self.gemm_dtype == torch.bfloat16:
             return "float32"
         if hardware.cpu_has_amx():

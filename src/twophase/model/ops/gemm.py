@@ -64,8 +64,7 @@ def use_dot_weight(op, weight: torch.Tensor, min_rows: int) -> bool:
     from twophase.model.ops.extension import load_kernels
 
     kernels = load_kernels()
-    if (kernels is None or not hasattr(kernels, "bf16_gemm_available") or not kernels.bf16_gemm_available()
-            or weight.dtype != torch.bfloat16 or weight.shape[1] % 2):  # fmt: skip
+    if kernels is None or not kernels.bf16_gemm_available() or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
         return False
     op.set_gemm_weight(weight, min_rows, None, 0)
     op.set_dot_weight(kernels.pack_bf16_gemm(weight), PREPACKED_MAX_ROWS)  # [panels, in / 2, 32, 2]
