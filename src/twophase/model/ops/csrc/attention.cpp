@@ -44,10 +44,11 @@ struct Scratch {
   // V in panels ([pairs][32][2] bfloat16: K with d in pairs and keys as columns, V with keys in pairs and d as columns)
   std::vector<int32_t> qp, pp;
   std::vector<uint16_t> kpanel, vpanel, row16;
-  Scratch(int64_t rows, int64_t D)
+  Scratch(int64_t rows, int64_t D, bool dot)  // dot: with attend_dot's buffers (a call that has such items)
       : q(rows * D), acc(rows * D), s(rows * KEY_CHUNK), m(rows), l(rows), kbuf(KEY_CHUNK * D),
-        vbuf(KEY_CHUNK * D), row(D), pos(rows), qp(rows * D / 2), pp(rows * KEY_CHUNK / 2),
-        kpanel(KEY_CHUNK * D), vpanel(KEY_CHUNK * D), row16(std::max<int64_t>(D, KEY_CHUNK)) {}
+        vbuf(KEY_CHUNK * D), row(D), pos(rows), qp(dot ? rows * D / 2 : 0), pp(dot ? rows * KEY_CHUNK / 2 : 0),
+        kpanel(dot ? KEY_CHUNK * D : 0), vpanel(dot ? KEY_CHUNK * D : 0),
+        row16(dot ? std::max<int64_t>(D, KEY_CHUNK) : 0) {}
 };
 
 // Row pointers of keys/values p0..p0+n-1 of one kv head, in place (bfloat16 rows are widened where they are read,
@@ -234,25 +235,53 @@ inline void attend_rows(const T* const* K, const T* const* V, int64_t r0, int R,
   for (int r = 0; r < R; ++r) accumulate(acc + r * D, alpha[r], s + r * KEY_CHUNK, V, nv, D, sc.row.data());
 }
 
+// Where row rr of a work item comes from: rows come G to a query (the query's heads of one kv head), per_head
+// (queries x G) to a kv head.
+struct ItemRows {
+  int64_t G, per_head, kv0, q0;
+  ItemRows(const Args& a, const WorkItem& w) : G(a.groups), per_head((w.q1 - w.q0) * a.groups), kv0(w.kv0), q0(w.q0) {}
+  int64_t head(int64_t rr) const { return (kv0 + rr / per_head) * G + rr % G; }
+  int64_t query(int64_t rr) const { return q0 + (rr % per_head) / G; }  // within the request
+};
+
+// Starts item w: its rows' queries into sc.q (float32, times the scale), their key positions into sc.pos, the online
+// softmax's state (acc, m, l) reset.
+template <class QT>
+void begin_item(const Args& a, const WorkItem& w, const QT* q, Scratch& sc) {
+  const ItemRows at(a, w);
+  const int64_t D = a.D, rows = w.rows(a.groups), tok0 = a.qsl[w.req];
+  const int64_t start = a.seq_lens[w.req] - (a.qsl[w.req + 1] - tok0);  // the request's first query position
+  for (int64_t rr = 0; rr < rows; ++rr) {
+    convert(sc.q.data() + rr * D, q + (tok0 + at.query(rr)) * a.q_s0 + at.head(rr) * D, D);
+    scale_f32(sc.q.data() + rr * D, a.scale, D);
+    sc.pos[rr] = start + at.query(rr);
+  }
+  std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.f);
+  std::fill(sc.m.begin(), sc.m.begin() + rows, -std::numeric_limits<float>::infinity());
+  std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
+}
+
+// Ends item w: each row's acc divided by its softmax sum, written to out in out's dtype.
+template <class QT>
+void finish_item(const Args& a, const WorkItem& w, QT* out, Scratch& sc) {
+  const ItemRows at(a, w);
+  const int64_t D = a.D, tok0 = a.qsl[w.req];
+  for (int64_t rr = 0; rr < w.rows(a.groups); ++rr) {
+    float* acc = sc.acc.data() + rr * D;
+    scale_f32(acc, sc.l[rr] > 0.f ? 1.f / sc.l[rr] : 0.f, D);
+    convert(out + (tok0 + at.query(rr)) * a.o_s0 + at.head(rr) * D, acc, D);
+  }
+}
+
 // One work item: for each kv head g of [kv0, kv1), its (q1-q0) queries x groups heads; online softmax over key
 // chunks, every kv head's rows of a chunk before the next chunk. Row rr = ((g - kv0) * (q1-q0) + i - q0) * G + gh.
 // Each row's arithmetic is the same whatever the item's shape (batch invariance).
 template <class T, class QT>
 void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc, const T* vc, Scratch& sc) {
   const int64_t D = a.D, G = a.groups, bs = a.block_size;  // bs: cache block size
-  const int64_t seq = a.seq_lens[w.req], tok0 = a.qsl[w.req];
-  const int64_t q_len = a.qsl[w.req + 1] - tok0, start = seq - q_len;
-  const int64_t per_head = (w.q1 - w.q0) * G, rows = w.rows(G);
-  auto head_of = [&](int64_t rr) { return (w.kv0 + rr / per_head) * G + rr % G; };
-  auto query_of = [&](int64_t rr) { return w.q0 + (rr % per_head) / G; };
-  for (int64_t rr = 0; rr < rows; ++rr) {
-    convert(sc.q.data() + rr * D, q + (tok0 + query_of(rr)) * a.q_s0 + head_of(rr) * D, D);
-    scale_f32(sc.q.data() + rr * D, a.scale, D);
-    sc.pos[rr] = start + query_of(rr);
-  }
-  std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.f);
-  std::fill(sc.m.begin(), sc.m.begin() + rows, -std::numeric_limits<float>::infinity());
-  std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
+  const int64_t start = a.seq_lens[w.req] - (a.qsl[w.req + 1] - a.qsl[w.req]);
+  const int64_t per_head = (w.q1 - w.q0) * G;
+  begin_item(a, w, q, sc);
   // bfloat16 rows are widened in registers where they are read; when more rows than one query's heads read them
   // (a prefill chunk), once per chunk into float32 buffers instead (each row read up to 48 times: 0.69x in
   // registers on a 512-token chunk).
@@ -298,11 +327,7 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
     }
     p0 += n;
   }
-  for (int64_t rr = 0; rr < rows; ++rr) {
-    float* acc = sc.acc.data() + rr * D;
-    scale_f32(acc, sc.l[rr] > 0.f ? 1.f / sc.l[rr] : 0.f, D);
-    convert(out + (tok0 + query_of(rr)) * a.o_s0 + head_of(rr) * D, acc, D);
-  }
+  finish_item(a, w, out, sc);
 }
 
 #ifdef TP_HAVE_BF16_DOT
@@ -318,23 +343,14 @@ template <class QT>
 void attend_dot(const Args& a, const WorkItem& w, const QT* q, QT* out, const uint16_t* kc, const uint16_t* vc,
                 Scratch& sc) {
   constexpr int64_t D = 64, DP = D / 2, KP = KEY_CHUNK / 2;
-  const int64_t G = a.groups, bs = a.block_size, g = w.kv0;
-  const int64_t seq = a.seq_lens[w.req], tok0 = a.qsl[w.req];
-  const int64_t q_len = a.qsl[w.req + 1] - tok0, start = seq - q_len, rows = w.rows(G);
+  const int64_t bs = a.block_size, g = w.kv0, rows = w.rows(a.groups);
+  const int64_t start = a.seq_lens[w.req] - (a.qsl[w.req + 1] - a.qsl[w.req]);
   const int64_t blocks = (rows + kDotMaxRows - 1) / kDotMaxRows;
   int64_t starts[kMaxDotBlocks + 1];
   for (int64_t b = 0; b <= blocks; ++b) starts[b] = b * rows / blocks;
-  for (int64_t rr = 0; rr < rows; ++rr) {
-    const int64_t i = w.q0 + rr / G;
-    convert(sc.q.data() + rr * D, q + (tok0 + i) * a.q_s0 + (g * G + rr % G) * D, D);
-    scale_f32(sc.q.data() + rr * D, a.scale, D);
-    sc.pos[rr] = start + i;
-  }
+  begin_item(a, w, q, sc);
   for (int64_t b = 0; b < blocks; ++b)
     pack_pairs(sc.q.data(), D, starts[b], starts[b + 1] - starts[b], D, sc.qp.data() + starts[b] * DP, sc.row16.data());
-  std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.f);
-  std::fill(sc.m.begin(), sc.m.begin() + rows, -std::numeric_limits<float>::infinity());
-  std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
   const int32_t* bt = a.block_tables + w.req * a.max_blocks;
   const int64_t last = start + w.q1 - 1;  // furthest key position any row sees
   int32_t* kp32 = reinterpret_cast<int32_t*>(sc.kpanel.data());  // [DP][32 keys]: one int32 = a key's d pair
@@ -409,11 +425,7 @@ void attend_dot(const Args& a, const WorkItem& w, const QT* q, QT* out, const ui
       }
     }
   }
-  for (int64_t rr = 0; rr < rows; ++rr) {
-    float* acc = sc.acc.data() + rr * D;
-    scale_f32(acc, sc.l[rr] > 0.f ? 1.f / sc.l[rr] : 0.f, D);
-    convert(out + (tok0 + w.q0 + rr / G) * a.o_s0 + (g * G + rr % G) * D, acc, D);
-  }
+  finish_item(a, w, out, sc);
 }
 #endif
 
@@ -431,12 +443,14 @@ inline bool takes_dot(const Args& a, const WorkItem& w) {
 // Runs all work items with dynamic scheduling over torch's intra-op threads.
 template <class T, class QT>
 void run_items(const Args& a, const std::vector<WorkItem>& items, const QT* q, QT* out, const T* kc, const T* vc) {
+  constexpr bool bf16_cache = std::is_same_v<T, uint16_t>;  // attend_dot reads bfloat16 caches only
   int64_t max_rows = 0;
-  for (const WorkItem& w : items) max_rows = std::max(max_rows, w.rows(a.groups));
-  dynamic_for(static_cast<int64_t>(items.size()), [&] { return Scratch(max_rows, a.D); },
+  bool any_dot = false;
+  for (const WorkItem& w : items) max_rows = std::max(max_rows, w.rows(a.groups)), any_dot |= bf16_cache && takes_dot(a, w);
+  dynamic_for(static_cast<int64_t>(items.size()), [&] { return Scratch(max_rows, a.D, any_dot); },
               [&](int64_t i, Scratch& sc) {
 #ifdef TP_HAVE_BF16_DOT
-                if constexpr (std::is_same_v<T, uint16_t>) {
+                if constexpr (bf16_cache) {
                   if (takes_dot(a, items[i])) return attend_dot<QT>(a, items[i], q, out, kc, vc, sc);
                 }
 #endif

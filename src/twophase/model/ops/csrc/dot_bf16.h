@@ -61,10 +61,8 @@ inline void with_tile_rows(int64_t rows, Fn&& fn) {
   }
 }
 
-// 16 float32 as bfloat16 (round to nearest even), widened back: the values a bfloat16 store keeps.
-inline __m512 round_to_bf16(__m512 v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(v)), 16));
-}
+// 16 bfloat16 values as float32 (exact).
+inline __m512 widen_bf16x16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 #endif
 
 // Rows [r0, r0 + rows) of src (float32 or bfloat16, ld elements apart, k values each, k even) as bfloat16 k pairs,

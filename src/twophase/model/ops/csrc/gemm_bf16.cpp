@@ -93,8 +93,8 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, b
             _mm256_mask_storeu_epi16(o + 16, m1, h1);
           } else {
             float* o = out32 + at;
-            _mm512_mask_storeu_ps(o, m0, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h0), 16)));
-            _mm512_mask_storeu_ps(o + 16, m1, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h1), 16)));
+            _mm512_mask_storeu_ps(o, m0, widen_bf16x16(h0));
+            _mm512_mask_storeu_ps(o + 16, m1, widen_bf16x16(h1));
           }
         };
         with_tile_rows(starts[b + 1] - r0, [&](auto mr) {
