@@ -254,12 +254,12 @@ def test_fake_quantize_kernel_gives_the_torch_reference_bits() -> None:
         K.fake_quantize_activations(torch.randn(4, 40))
 
 
-def _paged_case(cache_dtype: torch.dtype, block_size: int, seed: int, extra_decodes: int = 0, dim: int = 40):
+def _paged_case(cache_dtype: torch.dtype, block_size: int, seed: int, extra_decodes: int = 0, dim: int = 40,
+                heads: int = 6, kv_heads: int = 2):
     """Mixed batch: decode rows, prefill chunks starting at 0 and > 0, an idle request, ``extra_decodes`` more
     decode rows (with enough of them the kernel reads each request's slots for all kv heads in one work item);
     shuffled blocks."""
     g = torch.Generator().manual_seed(seed)
-    heads, kv_heads = 6, 2
     seq_lens = [1, 37, 100, 16, 53, 9] + torch.randint(1, 150, (extra_decodes,), generator=g).tolist()
     q_lens = [1, 1, 30, 16, 0, 9] + [1] * extra_decodes  # decode, decode, chunk at 70.., full prefill, none, prefill
     max_blocks = max(-(-s // block_size) for s in seq_lens) + 1
@@ -290,6 +290,20 @@ def test_paged_attention(cache_dtype: torch.dtype, block_size: int, wide: bool, 
     K.paged_attention(out, q, kc, vc, tables, seq_lens, qsl, block_size, scale)
     # fp32 scores/softmax/accumulation (polynomial exp, ~2 ulp) over <= 100 keys; outputs are convex
     # combinations of N(0,1) values, so absolute errors stay ~1e-6.
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2), (10, 2)])
+def test_paged_attention_bfloat16_head_groups(heads: int, kv_heads: int) -> None:
+    """bfloat16 rows at D = 64 (on AVX-512: keys in groups of 16, a query's heads of a kv head up to three at a
+    time) with 1, 2, 4 and 5 query heads a kv head, and contexts whose last group of keys is 1 to 15 keys short,
+    against the float64 reference."""
+    q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(torch.bfloat16, 16, seed=heads + kv_heads,
+                                                          extra_decodes=_many_decodes() + 16, dim=64, heads=heads,
+                                                          kv_heads=kv_heads)
+    ref = reference_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, qsl, 16)
+    out = torch.full_like(q, float("nan"))
+    K.paged_attention(out, q, kc, vc, tables, seq_lens, qsl, 16, scale)
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=2e-5)
 
 
