@@ -304,6 +304,26 @@ def test_top_p_selection_edges() -> None:
         assert torch.equal(out[i][kept], logits[i][kept])
 
 
+@pytest.mark.parametrize("n", [1, 5, 16, 17, 33, 49152, 49155])
+def test_argmax_rows_is_torch_max_indices(n: int) -> None:
+    """The kernels' greedy argmax equals torch.max's indices: ties (the first maximum), NaN (the first NaN, wherever
+    it lies), rows of -inf, rows shorter than a vector and vector tails, strided rows; n = 0 is refused."""
+    kernels = require_kernels()
+    g = torch.Generator().manual_seed(n)
+    x = torch.randn(6, n + 3, generator=g)[:, :n]  # rows 3 apart beyond n: strided
+    x[0, n // 2] = x[0].max()  # a tie with an earlier maximum
+    x[1, -1] = float("nan")
+    x[2, :] = float("-inf")
+    x[3, n // 3] = float("nan")
+    x[3, -1] = float("nan")
+    x[4, -1] = x[4].max() + 1  # the maximum in the tail
+    assert torch.equal(kernels.argmax_rows(x), x.max(dim=-1).indices)
+    wide = torch.randn(32, n, generator=g)
+    assert torch.equal(kernels.argmax_rows(wide), wide.max(dim=-1).indices)
+    with pytest.raises(RuntimeError, match="at least one column"):
+        kernels.argmax_rows(torch.empty(2, 0))
+
+
 # ---- logit_bias, allowed_token_ids, bad_words ------------------------------------------------------------------
 
 

@@ -34,7 +34,8 @@ Kernels (all CPU, OpenMP over torch's intra-op threads, AVX2/FMA with a scalar f
 - ``pack_block_panels_(out, fmt, packed)`` / ``block_panels_equal(panels, weight)``: GGUF Q8_0 / Q4_1 blocks into
   the block panels ``linear.BlockPanelLinear`` runs, and whether they widen to exactly a float32 weight.
 - ``top_p_mask_(logits, top_p)`` (``csrc/sampling.cpp``): in place, -inf outside each row's top-p set, found by
-  selection instead of a sort (``sample/top_k_top_p.py``).
+  selection instead of a sort (``sample/top_k_top_p.py``); ``argmax_rows(logits)``: each row's first maximum, the
+  greedy rows' tokens (``sample/sampler.py``).
 """
 
 from __future__ import annotations

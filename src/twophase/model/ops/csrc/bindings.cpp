@@ -25,6 +25,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("fmt"), py::arg("packed"));
   m.def("block_panels_equal", &tp::block_panels_equal, "whether block panels widen to exactly a float32 weight",
         py::arg("panels"), py::arg("weight"));
+  m.def("argmax_rows", &tp::argmax_rows, "each row's first maximum (NaN as the maximum), as torch.max's indices",
+        py::arg("logits"));
   m.def("top_p_mask_", &tp::top_p_mask_, "in place: -inf outside each row's top-p set (selection, no sort)",
         py::arg("logits"), py::arg("top_p"));
   m.def("linear_q8_0", &tp::linear_q8_0, "GGUF Q8_0 linear (x rounded to int8 blocks)", py::arg("x"), py::arg("qs"), py::arg("d"),

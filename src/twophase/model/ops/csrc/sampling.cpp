@@ -152,7 +152,54 @@ float top_p_cut(const float* row, const float* w, int64_t n, double target, doub
   return select_cut(buf.data(), buf.data() + count, above_hi, target);
 }
 
+// The index of row[0..n)'s first maximum, NaN counting as the maximum (torch.max's indices); n >= 1.
+int64_t argmax_row(const float* row, int64_t n) {
+  int64_t j = 0, best = 0;
+  float best_value = row[0];
+#if defined(__AVX512F__)
+  if (n >= 16) {
+    // each lane keeps its first maximum (strictly greater replaces); lanes then meet at the smallest index
+    __m512 value = _mm512_loadu_ps(row);
+    __m512i index = _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    __m512i at = index;
+    __mmask16 nan = _mm512_cmp_ps_mask(value, value, _CMP_UNORD_Q);
+    const __m512i step = _mm512_set1_epi32(16);
+    for (j = 16; j + 16 <= n; j += 16) {
+      at = _mm512_add_epi32(at, step);
+      const __m512 x = _mm512_loadu_ps(row + j);
+      const __mmask16 greater = _mm512_cmp_ps_mask(x, value, _CMP_GT_OQ);
+      nan |= _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      value = _mm512_mask_mov_ps(value, greater, x);
+      index = _mm512_mask_mov_epi32(index, greater, at);
+    }
+    if (nan) return std::find_if(row, row + n, [](float x) { return std::isnan(x); }) - row;
+    best_value = _mm512_reduce_max_ps(value);
+    const __mmask16 top = _mm512_cmp_ps_mask(value, _mm512_set1_ps(best_value), _CMP_EQ_OQ);
+    best = _mm512_mask_reduce_min_epi32(top, index);
+  }
+#endif
+  for (; j < n; ++j) {  // what the vector part left (all of a short row): it saw no NaN
+    if (std::isnan(row[j])) return j;
+    if (row[j] > best_value) best_value = row[j], best = j;
+  }
+  return best;
+}
+
 }  // namespace
+
+at::Tensor argmax_rows(const at::Tensor& logits) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.stride(1) == 1,
+              "logits must be a float32 [rows, vocab] tensor with contiguous rows");
+  TORCH_CHECK(logits.size(1) > 0, "logits must have at least one column");
+  const int64_t rows = logits.size(0), n = logits.size(1), ld = logits.stride(0);
+  at::Tensor out = at::empty({rows}, logits.options().dtype(at::kLong));
+  const float* data = logits.data_ptr<float>();
+  int64_t* ids = out.data_ptr<int64_t>();
+  at::parallel_for(0, rows, 1, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) ids[r] = argmax_row(data + r * ld, n);
+  });
+  return out;
+}
 
 void top_p_mask_(at::Tensor& logits, const at::Tensor& top_p_in) {
   TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == at::kFloat && logits.is_contiguous(),
