@@ -19,9 +19,11 @@ constexpr int kDotMaxRows = 12;   // 12 x 2 accumulators + 2 panel vectors + a b
 // pairs in order, one dot-product chain per output (a row's sums never depend on the other rows). xp: the rows' k
 // pairs pair-major ([pairs][MR] int32, each two bfloat16); wp: a panel ([pairs][32][2] bfloat16); init: MR rows of
 // 32 float32 init_ld apart, or null for zeros. store(r, c0, c1) receives row r's columns 0-15 and 16-31.
+// prefetch_pairs > 0: the panel's lines that many pairs ahead are prefetched into L1 as the tile goes (past the
+// panel: the memory after it, the next panel in a packed weight).
 template <int MR, class Store>
 inline void dot_tile(const int32_t* xp, const uint16_t* wp, int64_t pairs, const float* init, int64_t init_ld,
-                     Store&& store) {
+                     Store&& store, int64_t prefetch_pairs = 0) {
   __m512 c0[MR], c1[MR];
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) {
@@ -29,6 +31,10 @@ inline void dot_tile(const int32_t* xp, const uint16_t* wp, int64_t pairs, const
     c1[r] = init ? _mm512_loadu_ps(init + r * init_ld + 16) : _mm512_setzero_ps();
   }
   for (int64_t p = 0; p < pairs; ++p) {
+    if (prefetch_pairs) {
+      _mm_prefetch(reinterpret_cast<const char*>(wp + (p + prefetch_pairs) * 2 * kDotCols), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(wp + (p + prefetch_pairs) * 2 * kDotCols + kDotCols), _MM_HINT_T0);
+    }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + p * 2 * kDotCols);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + p * 2 * kDotCols + kDotCols);
 #pragma GCC unroll 12
