@@ -38,7 +38,7 @@ def verify_drafts(
     raw = logits[:, : sampler.vocab_size].float()  # [N, vocab]
     processed = sampler.process_logits(raw, row_states)  # [N, vocab]
     starts = [0, *itertools.accumulate(counts)]
-    argmax = processed.argmax(dim=-1).tolist()  # [N]
+    argmax = sampler.first_maxima(processed).tolist()  # [N]
     tokens: list[list[int]] = [
         _accept_greedy(draft, argmax[starts[i] : starts[i + 1]]) if state.params.greedy else []
         for i, (state, draft) in enumerate(zip(states, drafts))

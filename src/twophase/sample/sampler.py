@@ -159,7 +159,7 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} logits rows for {len(states)} states")
         raw_logits = logits[:, : self.vocab_size].float()  # [num_reqs, vocab]
         logits = self.process_logits(raw_logits, states)  # [num_reqs, vocab]
-        token_ids = self._first_maxima(logits)  # [num_reqs]; final for greedy rows
+        token_ids = self.first_maxima(logits)  # [num_reqs]; final for greedy rows
         sample_rows = [i for i, s in enumerate(states) if not s.params.greedy]
         if sample_rows:
             rows = torch.tensor(sample_rows, dtype=torch.long, device=logits.device)  # [num_sampled]
@@ -171,9 +171,9 @@ class Sampler:
                 state.matcher.accept(token_id)
         return SamplerOutput(token_id_list, self._logprobs(raw_logits, token_ids, states))
 
-    def _first_maxima(self, logits: torch.Tensor) -> torch.Tensor:
-        """Each row's first maximum (NaN as the maximum) of logits [n, vocab] float32: torch.max's indices, through the
-        C++ kernels where built. 32 x 49,152: 1.18 ms by torch.max (2 Zen 4 cores, torch 2.13; argmax the same),
+    def first_maxima(self, logits: torch.Tensor) -> torch.Tensor:
+        """Each row's first maximum (NaN as the maximum) of logits [n, vocab] float32: torch.max's indices (the greedy
+        tokens, here and in ``rejection.verify_drafts``), through the C++ kernels where built. 32 x 49,152: 1.18 ms by torch.max (2 Zen 4 cores, torch 2.13; argmax the same),
         0.1 ms by ``argmax_rows``."""
         if self.kernels is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
             return self.kernels.argmax_rows(logits)

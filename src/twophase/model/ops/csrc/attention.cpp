@@ -349,6 +349,16 @@ inline void softmax_update(int64_t r0, int R, int64_t nv, const float* mx, float
   }
 }
 
+// Whether rows of a T cache with head dim D take attend_rows_paired (bfloat16 at D == 64, where AVX-512 is built).
+template <class T>
+constexpr bool takes_paired(int64_t D) {
+#ifdef TP_HAVE_PAIRED_D64
+  return std::is_same_v<T, uint16_t> && D == 64;
+#else
+  return (void)D, false;
+#endif
+}
+
 #ifdef TP_HAVE_PAIRED_D64
 // attend_rows for bfloat16 rows at D == 64 on AVX-512 (scores_paired, accumulate_paired).
 inline void attend_rows_paired(const uint16_t* const* K, const uint16_t* const* V, int64_t r0, int R, int64_t nv,
@@ -382,7 +392,7 @@ inline void attend_rows(const T* const* K, const T* const* V, int64_t r0, int R,
   float* acc = sc.acc.data() + r0 * D;
 #ifdef TP_HAVE_PAIRED_D64
   if constexpr (std::is_same_v<T, uint16_t>) {
-    if (D == 64) return attend_rows_paired(K, V, r0, R, nv, sc);
+    if (takes_paired<T>(D)) return attend_rows_paired(K, V, r0, R, nv, sc);
   }
 #endif
 #ifdef __AVX2__
@@ -460,30 +470,32 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
   // registers on a 512-token chunk).
   // (Not where bfloat16 rows take attend_rows_paired: its widening costs a quarter of the AVX2 one, and every row
   // then has one arithmetic whatever its request's query count.)
-#ifdef TP_HAVE_PAIRED_D64
-  const bool paired = std::is_same_v<T, uint16_t> && D == 64;
-#else
-  const bool paired = false;
-#endif
-  const bool widen = per_head > G && !paired;  // used for bfloat16 caches only
-  const bool prefetch_next = paired;
+  const bool prefetch_next = takes_paired<T>(D);
+  const bool widen = per_head > G && !prefetch_next;  // used for bfloat16 caches only
   const int64_t last = start + w.q1 - 1;  // furthest key position any row sees
   const int32_t* bt = a.block_tables + w.req * a.max_blocks;
   // a whole-slot item's heads side by side in each slot (contiguous caches): read every chunk's slots in order first
   const bool pull = w.kv1 - w.kv0 > 1 && a.k_s1 == D && a.v_s1 == D;
+  // a chunk's K / V rows of kv head kv0 (head g's are (g - kv0) head strides on), this chunk's and the next's
+  const T* krows[2][KEY_CHUNK];
+  const T* vrows[2][KEY_CHUNK];
+  int cur = 0;
+  bool found = false;  // whether this chunk's rows were found as the previous chunk's next
   for (int64_t p0 = 0; p0 <= last;) {
     const int64_t n = std::min(KEY_CHUNK, last + 1 - p0);
-    const T* Kslot[KEY_CHUNK];  // the chunk's K / V rows of kv head kv0; head g's are (g - kv0) head strides on
-    const T* Vslot[KEY_CHUNK];
-    kv_rows(kc, a.k_s0, w.kv0 * a.k_s1, bt, bs, p0, n, Kslot);
-    kv_rows(vc, a.v_s0, w.kv0 * a.v_s1, bt, bs, p0, n, Vslot);
+    const T** Kslot = krows[cur];
+    const T** Vslot = vrows[cur];
+    if (!found) {
+      kv_rows(kc, a.k_s0, w.kv0 * a.k_s1, bt, bs, p0, n, Kslot);
+      kv_rows(vc, a.v_s0, w.kv0 * a.v_s1, bt, bs, p0, n, Vslot);
+    }
     // Where rows take attend_rows_paired, the next chunk's rows are fetched into L2 a kv head at a time while this
     // chunk is worked on, and a whole-slot item pulls its first chunk only (nothing else to overlap those loads
     // with). 32 requests x 320 keys of decode attention, 30 layers, bfloat16, 2 Zen 4 cores: 13.4 ms against 14.9
     // with every chunk pulled. The AVX2 kernels keep the pull of every chunk (float32 cache, the same requests:
     // 27.5-29.7 ms pulled, 29.9-33.6 prefetched).
-    const T* Knext[KEY_CHUNK];
-    const T* Vnext[KEY_CHUNK];
+    const T** Knext = krows[cur ^ 1];
+    const T** Vnext = vrows[cur ^ 1];
     const int64_t n_next = prefetch_next ? std::min(KEY_CHUNK, last + 1 - (p0 + n)) : 0;  // <= 0: none
     if (n_next > 0) {
       kv_rows(kc, a.k_s0, w.kv0 * a.k_s1, bt, bs, p0 + n, n_next, Knext);
@@ -521,6 +533,8 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
       attend_head(K, V);
     }
     p0 += n;
+    found = n_next > 0;
+    cur ^= found;
   }
   finish_item(a, w, out, sc);
 }
