@@ -36,7 +36,6 @@ struct Args {
   int64_t dot_min_queries;  // requests with this many queries (0: none) take attend_dot (bfloat16 cache, D = 64)
 };
 
-// Per-thread scratch, sized for one work item.
 struct Scratch {
   std::vector<float> q, acc, s, m, l, kbuf, vbuf, row;  // k/vbuf: a chunk widened; row: one row, off AVX2
   std::vector<int64_t> pos;
@@ -44,6 +43,15 @@ struct Scratch {
   // V in panels ([pairs][32][2] bfloat16: K with d in pairs and keys as columns, V with keys in pairs and d as columns)
   std::vector<int32_t> qp, pp;
   std::vector<uint16_t> kpanel, vpanel, row16;
+  // The next chunk's K / V rows of the kv head being worked on, next_n of them: attend_rows_paired's loops bring
+  // them into L2 (next[j] + off, two lines), one row as each of this chunk's rows is read. Spread over the chunk's
+  // keys, the prefetches stay within what the core can have in flight; issued at once (32 keys' rows of K and V a
+  // kv head), they stalled it. Decode attention over 32 requests x 320 keys x 30 layers, bfloat16, 2 Zen 4 cores:
+  // 12.9-14.3 ms against 15.4-17.9 at once (11.4 against 14.4 with every request's blocks in order), 35.9 without
+  // prefetching. Into L1 instead: 16.7-18.9; every kv head's rows at once during the first one's keys: 15.7-16.2.
+  const uint16_t* const* next_k = nullptr;
+  const uint16_t* const* next_v = nullptr;
+  int64_t next_n = 0, next_k_off = 0, next_v_off = 0;
   Scratch(int64_t rows, int64_t D, bool dot)  // dot: with attend_dot's buffers (a call that has such items)
       : q(rows * D), acc(rows * D), s(rows * KEY_CHUNK), m(rows), l(rows), kbuf(KEY_CHUNK * D),
         vbuf(KEY_CHUNK * D), row(D), pos(rows), qp(dot ? rows * D / 2 : 0), pp(dot ? rows * KEY_CHUNK / 2 : 0),
@@ -85,21 +93,6 @@ inline void pull_slots(const T* const* K, const T* const* V, int64_t n, int64_t 
   __asm__ volatile("" : : "x"(kacc), "x"(vacc));  // the loads are the point: keep them
 #else
   (void)K, (void)V, (void)n, (void)bytes;
-#endif
-}
-
-// Software prefetch (into L2) of D values from each of the n rows K[j] + k_off and V[j] + v_off.
-template <class T>
-inline void prefetch_rows(const T* const* K, const T* const* V, int64_t n, int64_t k_off, int64_t v_off, int64_t D) {
-#ifdef __AVX2__
-  const int64_t bytes = D * static_cast<int64_t>(sizeof(T));
-  for (int64_t j = 0; j < n; ++j) {
-    const char* k = reinterpret_cast<const char*>(K[j] + k_off);
-    const char* v = reinterpret_cast<const char*>(V[j] + v_off);
-    for (int64_t off = 0; off < bytes; off += 64) _mm_prefetch(k + off, _MM_HINT_T1), _mm_prefetch(v + off, _MM_HINT_T1);
-  }
-#else
-  (void)K, (void)V, (void)n, (void)k_off, (void)v_off, (void)D;
 #endif
 }
 
@@ -267,7 +260,8 @@ inline __m512 fold_pairs(__m512 a, __m512 b) {  // keys 0..7, keys 8..15 -> lane
 // 16 partial-sum vectors of R rows for keys K[j0 + t] (t < 16; past n the last key again: the same arithmetic), q in
 // the even / odd order (rows 64 apart), reduced to one vector of 16 scores a row in key order.
 template <int R>
-inline void scores16_paired(const float* q, const uint16_t* const* K, int64_t j0, int64_t n, __m512 out[R]) {
+inline void scores16_paired(const float* q, const uint16_t* const* K, int64_t j0, int64_t n, __m512 out[R],
+                            const uint16_t* const* next, int64_t next_n, int64_t next_off) {
   __m512 half[R][2];
   for (int h = 0; h < 2; ++h) {
     __m512 quad[R][2];
@@ -276,8 +270,13 @@ inline void scores16_paired(const float* q, const uint16_t* const* K, int64_t j0
       for (int c = 0; c < 2; ++c) {
         __m512 part[R][2];
         for (int t = 0; t < 2; ++t) {
+          const int64_t j = j0 + 8 * h + 4 * e + 2 * c + t;
+          if (j < next_n) {  // written out here: through an inline helper, GCC 12 left the prefetches out
+            const char* row = reinterpret_cast<const char*>(next[j] + next_off);
+            _mm_prefetch(row, _MM_HINT_T1), _mm_prefetch(row + 64, _MM_HINT_T1);
+          }
           __m512 k[4];
-          widen_pairs(K[std::min<int64_t>(j0 + 8 * h + 4 * e + 2 * c + t, n - 1)], k);
+          widen_pairs(K[std::min<int64_t>(j, n - 1)], k);
           for (int r = 0; r < R; ++r) {
             __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + r * 64), k[0]);
             for (int d = 1; d < 4; ++d) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * 64 + 16 * d), k[d], acc);
@@ -297,7 +296,8 @@ inline void scores16_paired(const float* q, const uint16_t* const* K, int64_t j0
 // scores_d64 for bfloat16 keys on AVX-512: s[r][j] = q[r] . K[j] (q rows 64 apart in natural order, s rows KEY_CHUNK
 // apart, 16 keys a store); mx[r] = max_j (the padding keys repeat the last one, so they cannot raise it).
 template <int R>
-inline void scores_paired(const float* q, const uint16_t* const* K, int64_t n, float* s, float* mx) {
+inline void scores_paired(const float* q, const uint16_t* const* K, int64_t n, float* s, float* mx,
+                          const uint16_t* const* next, int64_t next_n, int64_t next_off) {
   alignas(64) float qp[R * 64];
   for (int r = 0; r < R; ++r) {
     __m512 w[4];
@@ -308,7 +308,7 @@ inline void scores_paired(const float* q, const uint16_t* const* K, int64_t n, f
   for (int r = 0; r < R; ++r) m[r] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     __m512 sc[R];
-    scores16_paired<R>(qp, K, j0, n, sc);
+    scores16_paired<R>(qp, K, j0, n, sc, next, next_n, next_off);
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + r * KEY_CHUNK + j0, sc[r]), m[r] = _mm512_max_ps(m[r], sc[r]);
   }
   for (int r = 0; r < R; ++r) mx[r] = _mm512_reduce_max_ps(m[r]);
@@ -317,13 +317,18 @@ inline void scores_paired(const float* q, const uint16_t* const* K, int64_t n, f
 // accumulate_d64 for bfloat16 values on AVX-512: acc[r] = acc[r] * alpha[r] + sum_j p[r][j] * V[j], acc held in the
 // even / odd order over the keys.
 template <int R>
-inline void accumulate_paired(float* acc, const float* alpha, const float* p, const uint16_t* const* V, int64_t n) {
+inline void accumulate_paired(float* acc, const float* alpha, const float* p, const uint16_t* const* V, int64_t n,
+                              const uint16_t* const* next, int64_t next_n, int64_t next_off) {
   __m512 a[R][4];
   for (int r = 0; r < R; ++r) {
     split_pairs(acc + r * 64, a[r]);
     for (int d = 0; d < 4; ++d) a[r][d] = _mm512_mul_ps(_mm512_set1_ps(alpha[r]), a[r][d]);
   }
   for (int64_t j = 0; j < n; ++j) {
+    if (j < next_n) {
+      const char* row = reinterpret_cast<const char*>(next[j] + next_off);
+      _mm_prefetch(row, _MM_HINT_T1), _mm_prefetch(row + 64, _MM_HINT_T1);
+    }
     __m512 v[4];
     widen_pairs(V[j], v);
     for (int r = 0; r < R; ++r) {
@@ -369,9 +374,10 @@ inline void attend_rows_paired(const uint16_t* const* K, const uint16_t* const* 
   float* acc = sc.acc.data() + r0 * 64;
   auto rows = [&](auto r) {
     constexpr int RR = decltype(r)::value;
-    scores_paired<RR>(q, K, nv, s, mx);
+    scores_paired<RR>(q, K, nv, s, mx, sc.next_k, sc.next_n, sc.next_k_off);
     softmax_update(r0, RR, nv, mx, alpha, sc);
-    accumulate_paired<RR>(acc, alpha, s, V, nv);
+    accumulate_paired<RR>(acc, alpha, s, V, nv, sc.next_v, sc.next_n, sc.next_v_off);
+    sc.next_n = 0;  // once a kv head and chunk
   };
   static_assert(GROUP_ROWS == 3, "one case a row count");
   switch (R) {
@@ -490,9 +496,9 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
       kv_rows(vc, a.v_s0, w.kv0 * a.v_s1, bt, bs, p0, n, Vslot);
     }
     // Where rows take attend_rows_paired, the next chunk's rows are fetched into L2 a kv head at a time while this
-    // chunk is worked on, and a whole-slot item pulls its first chunk only (nothing else to overlap those loads
-    // with). 32 requests x 320 keys of decode attention, 30 layers, bfloat16, 2 Zen 4 cores: 13.4 ms against 14.9
-    // with every chunk pulled. The AVX2 kernels keep the pull of every chunk (float32 cache, the same requests:
+    // chunk is worked on (a row as each of this chunk's is read), and a whole-slot item pulls its
+    // first chunk only (nothing else to overlap those loads with). 32 requests x 320 keys of decode
+    // attention, 30 layers, bfloat16, 2 Zen 4 cores: 13.4 ms against 14.9 with every chunk pulled. The AVX2 kernels keep the pull of every chunk (float32 cache, the same requests:
     // 27.5-29.7 ms pulled, 29.9-33.6 prefetched).
     const T** Knext = krows[cur ^ 1];
     const T** Vnext = vrows[cur ^ 1];
@@ -504,7 +510,11 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
     if (pull && (p0 == 0 || !prefetch_next))
       pull_slots(Kslot, Vslot, n, static_cast<int64_t>((w.kv1 - w.kv0) * D * sizeof(T)));
     for (int64_t g = w.kv0; g < w.kv1; ++g) {
-      if (n_next > 0) prefetch_rows(Knext, Vnext, n_next, (g - w.kv0) * a.k_s1, (g - w.kv0) * a.v_s1, D);
+      sc.next_n = 0;
+      if constexpr (std::is_same_v<T, uint16_t>)
+        if (n_next > 0)
+          sc.next_k = Knext, sc.next_v = Vnext, sc.next_n = n_next, sc.next_k_off = (g - w.kv0) * a.k_s1,
+          sc.next_v_off = (g - w.kv0) * a.v_s1;
       // The rows of kv head g over keys p0 .. p0 + n - 1, K and V rows given as float32 or bfloat16 pointers.
       // Rows come G to a query (rr = ... + (i - q0) * G + gh), taken up to GROUP_ROWS at a time within a query.
       auto attend_head = [&](const auto* const* K, const auto* const* V) {

@@ -20,10 +20,11 @@ constexpr int kDotMaxRows = 12;   // 12 x 2 accumulators + 2 panel vectors + a b
 // pairs pair-major ([pairs][MR] int32, each two bfloat16); wp: a panel ([pairs][32][2] bfloat16); init: MR rows of
 // 32 float32 init_ld apart, or null for zeros. store(r, c0, c1) receives row r's columns 0-15 and 16-31.
 // prefetch_pairs > 0: the panel's lines that many pairs ahead are prefetched into L1 as the tile goes (past the
-// panel: the memory after it, the next panel in a packed weight).
+// panel: the memory after it, the next panel in a packed weight). l2_lines: one 64-byte line from there a pair is
+// prefetched into L2 (memory another tile will read).
 template <int MR, class Store>
 inline void dot_tile(const int32_t* xp, const uint16_t* wp, int64_t pairs, const float* init, int64_t init_ld,
-                     Store&& store, int64_t prefetch_pairs = 0) {
+                     Store&& store, int64_t prefetch_pairs = 0, const char* l2_lines = nullptr) {
   __m512 c0[MR], c1[MR];
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) {
@@ -35,6 +36,7 @@ inline void dot_tile(const int32_t* xp, const uint16_t* wp, int64_t pairs, const
       _mm_prefetch(reinterpret_cast<const char*>(wp + (p + prefetch_pairs) * 2 * kDotCols), _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(wp + (p + prefetch_pairs) * 2 * kDotCols + kDotCols), _MM_HINT_T0);
     }
+    if (l2_lines) _mm_prefetch(l2_lines + p * 64, _MM_HINT_T1);
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wp + p * 2 * kDotCols);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + p * 2 * kDotCols + kDotCols);
 #pragma GCC unroll 12
