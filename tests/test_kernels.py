@@ -390,35 +390,6 @@ def test_paged_attention_bfloat16_prefill(products: str, block_size: int, stride
     assert sum(q_len >= 9 for q_len in q_lens) == 3  # the chunk after 70 keys, the 16- and the 9-token prompts
 
 
-def test_paged_attention_dot_rows_independent_of_chunking() -> None:
-    """A prompt on the dot products (150 queries: items of 64 queries, and tails) gives every row the same bits
-    whether it is prefilled in one call or as chunks of 70 and 80 over the cached first part: a row's key chunks and
-    sums do not depend on which rows share its item. Against float64 within the bfloat16 rounding of q and p."""
-    if not K.bf16_gemm_available():
-        pytest.skip("the kernels were built without AVX512-BF16")
-    g = torch.Generator().manual_seed(5)
-    H, KVH, D, bs, n = 9, 3, 64, 16, 150
-    blocks = (n + bs - 1) // bs
-    kc = torch.randn(blocks * bs, KVH, D, generator=g).bfloat16()
-    vc = torch.randn(blocks * bs, KVH, D, generator=g).bfloat16()
-    q = torch.randn(n, H, D, generator=g)
-    tables = torch.randperm(blocks, generator=g).to(torch.int32).view(1, blocks)
-    scale = D ** -0.5
-
-    def run(q_rows: torch.Tensor, seq_len: int) -> torch.Tensor:
-        out = torch.empty_like(q_rows)
-        K.paged_attention(out, q_rows, kc, vc, tables, torch.tensor([seq_len], dtype=torch.int32),
-                          torch.tensor([0, q_rows.shape[0]], dtype=torch.int32), bs, scale, dot_min_queries=8)
-        return out
-
-    whole = run(q, n)
-    chunked = torch.cat([run(q[:70], 70), run(q[70:], n)])
-    assert torch.equal(whole, chunked)
-    ref = reference_paged_attention(q.double(), kc.double(), vc.double(), tables, torch.tensor([n]),
-                                    torch.tensor([0, n]), bs)
-    torch.testing.assert_close(whole.double(), ref, rtol=0, atol=2e-2)
-
-
 def test_paged_attention_dot_prefill_stays_off_where_it_cannot_run() -> None:
     """A float32 cache, or a head dim other than 64, keeps the float32 products whatever dot_min_queries says."""
     for cache_dtype, dim in ((torch.float32, 64), (torch.bfloat16, 40)):

@@ -739,20 +739,6 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   int64_t short_requests = 0;
   for (int32_t r = 0; r < R; ++r) short_requests += a.qsl[r + 1] - a.qsl[r] <= WHOLE_SLOT_MAX_QUERIES;
   const bool whole_slots = short_requests >= WHOLE_SLOT_ITEMS_PER_THREAD * at::get_num_threads();
-  // A request that runs on attend_dot takes as many queries an item as its row tiles allow (kMaxDotBlocks x
-  // kDotMaxRows rows: 64 queries at 3 heads a kv head), so each key chunk's panels are built for more rows.
-  auto dot_request = [&](int32_t r) {
-#ifdef TP_HAVE_BF16_DOT
-    return ct == at::kBFloat16 && a.dot_min_queries > 0 && a.D == 64 && a.qsl[r + 1] - a.qsl[r] >= a.dot_min_queries;
-#else
-    return (void)r, false;
-#endif
-  };
-#ifdef TP_HAVE_BF16_DOT
-  const int32_t dot_tile_queries = static_cast<int32_t>(std::max<int64_t>(Q_TILE, kMaxDotBlocks * kDotMaxRows / a.groups));
-#else
-  const int32_t dot_tile_queries = static_cast<int32_t>(Q_TILE);
-#endif
   std::vector<WorkItem> items;
   for (int32_t r = 0; r < R; ++r) {
     const int32_t q_len = a.qsl[r + 1] - a.qsl[r];
@@ -769,9 +755,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
       if (q_len > 0) items.push_back({r, 0, static_cast<int32_t>(KVH), 0, q_len});
       continue;
     }
-    const int32_t tile = dot_request(r) ? dot_tile_queries : static_cast<int32_t>(Q_TILE);
     for (int32_t g = 0; g < KVH; ++g)
-      for (int32_t i = 0; i < q_len; i += tile) items.push_back({r, g, g + 1, i, std::min<int32_t>(i + tile, q_len)});
+      for (int32_t i = 0; i < q_len; i += Q_TILE) items.push_back({r, g, g + 1, i, std::min<int32_t>(i + Q_TILE, q_len)});
   }
   // Longest contexts first so dynamic scheduling balances the tail.
   std::sort(items.begin(), items.end(), [&](const WorkItem& x, const WorkItem& y) {
