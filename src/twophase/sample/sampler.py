@@ -173,8 +173,8 @@ class Sampler:
 
     def first_maxima(self, logits: torch.Tensor) -> torch.Tensor:
         """Each row's first maximum (NaN as the maximum) of logits [n, vocab] float32: torch.max's indices (the greedy
-        tokens, here and in ``rejection.verify_drafts``), through the C++ kernels where built. 32 x 49,152: 1.18 ms by torch.max (2 Zen 4 cores, torch 2.13; argmax the same),
-        0.1 ms by ``argmax_rows``."""
+        tokens, here and in ``rejection.verify_drafts``), through the C++ kernels where built. 32 x 49,152: 1.18 ms by
+        torch.max (2 Zen 4 cores, torch 2.13; argmax the same), 0.1 ms by ``argmax_rows``."""
         if self.kernels is not None and logits.dtype == torch.float32 and logits.stride(-1) == 1:
             return self.kernels.argmax_rows(logits)
         return logits.max(dim=-1).indices

@@ -36,6 +36,7 @@ struct Args {
   int64_t dot_min_queries;  // requests with this many queries (0: none) take attend_dot (bfloat16 cache, D = 64)
 };
 
+// Per-thread scratch, sized for one work item.
 struct Scratch {
   std::vector<float> q, acc, s, m, l, kbuf, vbuf, row;  // k/vbuf: a chunk widened; row: one row, off AVX2
   std::vector<int64_t> pos;
@@ -43,21 +44,38 @@ struct Scratch {
   // V in panels ([pairs][32][2] bfloat16: K with d in pairs and keys as columns, V with keys in pairs and d as columns)
   std::vector<int32_t> qp, pp;
   std::vector<uint16_t> kpanel, vpanel, row16;
-  // The next chunk's K / V rows of the kv head being worked on, next_n of them: attend_rows_paired's loops bring
-  // them into L2 (next[j] + off, two lines), one row as each of this chunk's rows is read. Spread over the chunk's
-  // keys, the prefetches stay within what the core can have in flight; issued at once (32 keys' rows of K and V a
-  // kv head), they stalled it. Decode attention over 32 requests x 320 keys x 30 layers, bfloat16, 2 Zen 4 cores:
-  // 12.9-14.3 ms against 15.4-17.9 at once (11.4 against 14.4 with every request's blocks in order), 35.9 without
-  // prefetching. Into L1 instead: 16.7-18.9; every kv head's rows at once during the first one's keys: 15.7-16.2.
-  const uint16_t* const* next_k = nullptr;
-  const uint16_t* const* next_v = nullptr;
-  int64_t next_n = 0, next_k_off = 0, next_v_off = 0;
   Scratch(int64_t rows, int64_t D, bool dot)  // dot: with attend_dot's buffers (a call that has such items)
       : q(rows * D), acc(rows * D), s(rows * KEY_CHUNK), m(rows), l(rows), kbuf(KEY_CHUNK * D),
         vbuf(KEY_CHUNK * D), row(D), pos(rows), qp(dot ? rows * D / 2 : 0), pp(dot ? rows * KEY_CHUNK / 2 : 0),
         kpanel(dot ? KEY_CHUNK * D : 0), vpanel(dot ? KEY_CHUNK * D : 0),
         row16(dot ? std::max<int64_t>(D, KEY_CHUNK) : 0) {}
 };
+
+// The next key chunk's K / V rows of the kv head being worked on (k[j] + k_off, v[j] + v_off for j < n; n = 0:
+// none), brought into L2 by attend_rows_paired's loops one row as each of this chunk's rows is read. Spread over the
+// chunk's keys, the prefetches stay within what the core can have in flight; issued at once (32 keys' rows of K and
+// V a kv head), they stalled it. Decode attention over 32 requests x 320 keys x 30 layers, bfloat16, 2 Zen 4 cores:
+// 12.9-14.3 ms against 15.4-17.9 at once (11.4 against 14.4 with every request's blocks in order), 35.9 without
+// prefetching. Into L1 instead: 16.7-18.9; every kv head's rows at once during the first one's keys: 15.7-16.2.
+struct NextRows {
+  const uint16_t* const* k = nullptr;
+  const uint16_t* const* v = nullptr;
+  int64_t n = 0, k_off = 0, v_off = 0;
+};
+
+// Row j of rows (+ off) into L2 where j < n: a D == 64 bfloat16 row, two lines. Always inlined: as a plain inline
+// helper GCC 12 compiled the prefetches to nothing (no prefetcht1 in the object); check with objdump -d.
+__attribute__((always_inline)) inline void prefetch_row_l2(const uint16_t* const* rows, int64_t n, int64_t off,
+                                                           int64_t j) {
+#ifdef __AVX2__
+  if (j < n) {
+    const char* row = reinterpret_cast<const char*>(rows[j] + off);
+    _mm_prefetch(row, _MM_HINT_T1), _mm_prefetch(row + 64, _MM_HINT_T1);
+  }
+#else
+  (void)rows, (void)n, (void)off, (void)j;
+#endif
+}
 
 // Row pointers of keys/values p0..p0+n-1 of one kv head, in place (bfloat16 rows are widened where they are read,
 // see attend: copying every chunk into float32 buffers made served decode slower than the float32 cache).
@@ -271,10 +289,7 @@ inline void scores16_paired(const float* q, const uint16_t* const* K, int64_t j0
         __m512 part[R][2];
         for (int t = 0; t < 2; ++t) {
           const int64_t j = j0 + 8 * h + 4 * e + 2 * c + t;
-          if (j < next_n) {  // written out here: through an inline helper, GCC 12 left the prefetches out
-            const char* row = reinterpret_cast<const char*>(next[j] + next_off);
-            _mm_prefetch(row, _MM_HINT_T1), _mm_prefetch(row + 64, _MM_HINT_T1);
-          }
+          prefetch_row_l2(next, next_n, next_off, j);
           __m512 k[4];
           widen_pairs(K[std::min<int64_t>(j, n - 1)], k);
           for (int r = 0; r < R; ++r) {
@@ -325,10 +340,7 @@ inline void accumulate_paired(float* acc, const float* alpha, const float* p, co
     for (int d = 0; d < 4; ++d) a[r][d] = _mm512_mul_ps(_mm512_set1_ps(alpha[r]), a[r][d]);
   }
   for (int64_t j = 0; j < n; ++j) {
-    if (j < next_n) {
-      const char* row = reinterpret_cast<const char*>(next[j] + next_off);
-      _mm_prefetch(row, _MM_HINT_T1), _mm_prefetch(row + 64, _MM_HINT_T1);
-    }
+    prefetch_row_l2(next, next_n, next_off, j);
     __m512 v[4];
     widen_pairs(V[j], v);
     for (int r = 0; r < R; ++r) {
@@ -367,17 +379,16 @@ constexpr bool takes_paired(int64_t D) {
 #ifdef TP_HAVE_PAIRED_D64
 // attend_rows for bfloat16 rows at D == 64 on AVX-512 (scores_paired, accumulate_paired).
 inline void attend_rows_paired(const uint16_t* const* K, const uint16_t* const* V, int64_t r0, int R, int64_t nv,
-                               Scratch& sc) {
+                               Scratch& sc, const NextRows& next) {
   float mx[GROUP_ROWS], alpha[GROUP_ROWS];
   float* s = sc.s.data() + r0 * KEY_CHUNK;
   float* q = sc.q.data() + r0 * 64;
   float* acc = sc.acc.data() + r0 * 64;
   auto rows = [&](auto r) {
     constexpr int RR = decltype(r)::value;
-    scores_paired<RR>(q, K, nv, s, mx, sc.next_k, sc.next_n, sc.next_k_off);
+    scores_paired<RR>(q, K, nv, s, mx, next.k, next.n, next.k_off);
     softmax_update(r0, RR, nv, mx, alpha, sc);
-    accumulate_paired<RR>(acc, alpha, s, V, nv, sc.next_v, sc.next_n, sc.next_v_off);
-    sc.next_n = 0;  // once a kv head and chunk
+    accumulate_paired<RR>(acc, alpha, s, V, nv, next.v, next.n, next.v_off);
   };
   static_assert(GROUP_ROWS == 3, "one case a row count");
   switch (R) {
@@ -391,14 +402,15 @@ inline void attend_rows_paired(const uint16_t* const* K, const uint16_t* const* 
 // Rows r0 .. r0 + R - 1 (R <= GROUP_ROWS, one query's heads: the same nv keys) over keys p0 .. p0 + nv - 1: scores,
 // the online softmax update, and the values.
 template <class T>
-inline void attend_rows(const T* const* K, const T* const* V, int64_t r0, int R, int64_t nv, int64_t D, Scratch& sc) {
+inline void attend_rows(const T* const* K, const T* const* V, int64_t r0, int R, int64_t nv, int64_t D, Scratch& sc,
+                        const NextRows& next = {}) {
   float mx[GROUP_ROWS], alpha[GROUP_ROWS];
   float* s = sc.s.data() + r0 * KEY_CHUNK;
   float* q = sc.q.data() + r0 * D;
   float* acc = sc.acc.data() + r0 * D;
 #ifdef TP_HAVE_PAIRED_D64
   if constexpr (std::is_same_v<T, uint16_t>) {
-    if (takes_paired<T>(D)) return attend_rows_paired(K, V, r0, R, nv, sc);
+    if (takes_paired<T>(D)) return attend_rows_paired(K, V, r0, R, nv, sc, next);
   }
 #endif
 #ifdef __AVX2__
@@ -496,9 +508,9 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
       kv_rows(vc, a.v_s0, w.kv0 * a.v_s1, bt, bs, p0, n, Vslot);
     }
     // Where rows take attend_rows_paired, the next chunk's rows are fetched into L2 a kv head at a time while this
-    // chunk is worked on (a row as each of this chunk's is read), and a whole-slot item pulls its
-    // first chunk only (nothing else to overlap those loads with). 32 requests x 320 keys of decode
-    // attention, 30 layers, bfloat16, 2 Zen 4 cores: 13.4 ms against 14.9 with every chunk pulled. The AVX2 kernels keep the pull of every chunk (float32 cache, the same requests:
+    // chunk is worked on (NextRows), and a whole-slot item pulls its first chunk only (nothing else to overlap those
+    // loads with). 32 requests x 320 keys of decode attention, 30 layers, bfloat16, 2 Zen 4 cores: 13.4 ms against
+    // 14.9 with every chunk pulled. The AVX2 kernels keep the pull of every chunk (float32 cache, the same requests:
     // 27.5-29.7 ms pulled, 29.9-33.6 prefetched).
     const T** Knext = krows[cur ^ 1];
     const T** Vnext = vrows[cur ^ 1];
@@ -510,11 +522,9 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
     if (pull && (p0 == 0 || !prefetch_next))
       pull_slots(Kslot, Vslot, n, static_cast<int64_t>((w.kv1 - w.kv0) * D * sizeof(T)));
     for (int64_t g = w.kv0; g < w.kv1; ++g) {
-      sc.next_n = 0;
+      NextRows next;  // the next chunk's rows of head g, prefetched by this head's first rows (bfloat16 only)
       if constexpr (std::is_same_v<T, uint16_t>)
-        if (n_next > 0)
-          sc.next_k = Knext, sc.next_v = Vnext, sc.next_n = n_next, sc.next_k_off = (g - w.kv0) * a.k_s1,
-          sc.next_v_off = (g - w.kv0) * a.v_s1;
+        if (n_next > 0) next = {Knext, Vnext, n_next, (g - w.kv0) * a.k_s1, (g - w.kv0) * a.v_s1};
       // The rows of kv head g over keys p0 .. p0 + n - 1, K and V rows given as float32 or bfloat16 pointers.
       // Rows come G to a query (rr = ... + (i - q0) * G + gh), taken up to GROUP_ROWS at a time within a query.
       auto attend_head = [&](const auto* const* K, const auto* const* V) {
@@ -523,7 +533,7 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
           const int64_t query_end = rr - (rr - begin) % G + G;
           const int R = static_cast<int>(std::min<int64_t>(GROUP_ROWS, query_end - rr));
           const int64_t nv = std::min(n, sc.pos[rr] - p0 + 1);  // causal: keys p0..pos
-          if (nv > 0) attend_rows(K, V, rr, R, nv, D, sc);
+          if (nv > 0) attend_rows(K, V, rr, R, nv, D, sc, next), next.n = 0;
           rr += R;
         }
       };
