@@ -4,6 +4,7 @@ queue), and the async engine's loop sleeps instead of spinning when it has nothi
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -72,6 +73,45 @@ async def _generate_two(llm: AsyncLLM) -> None:
 
     outs = await asyncio.gather(run(long_prompt(20), "long"), run([1, 2, 3, 4], "short"))
     assert all(o.finished and len(o.token_ids) == 3 for o in outs)
+
+
+def test_a_steps_outputs_wake_the_event_loop_once(unchunked_llm):
+    """Outputs reach each stream complete and in order, and the step loop hands a step's outputs for all requests to
+    the event loop in one call_soon_threadsafe (not one per request, which woke the loop ~30 times a step)."""
+    engine = unchunked_llm.engine
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [[3 + i, 40, 50 + i, 60] for i in range(4)]
+    expected = [list(o.token_ids) for o in unchunked_llm.generate(prompts, params)]
+    llm = AsyncLLM(engine)
+    llm.start()
+
+    async def main() -> tuple[list[int], list[list[list[int]]]]:
+        loop = asyncio.get_running_loop()
+        batch_sizes: list[int] = []
+        original = loop.call_soon_threadsafe
+
+        def counting(callback, *args, **kwargs):
+            if threading.current_thread() is llm._thread:
+                batch_sizes.append(len(args[0]))
+            return original(callback, *args, **kwargs)
+
+        loop.call_soon_threadsafe = counting  # instance attribute: this loop only
+
+        async def run(i: int) -> list[list[int]]:
+            return [list(o.token_ids) async for o in llm.generate(prompts[i], params, f"r{i}")]
+
+        return batch_sizes, await asyncio.gather(*(run(i) for i in range(len(prompts))))
+
+    first_step = len(engine.step_records)
+    try:
+        batch_sizes, streams = asyncio.run(asyncio.wait_for(main(), timeout=30))
+    finally:
+        llm.shutdown()
+    steps = len(engine.step_records) - first_step
+    assert [stream[-1] for stream in streams] == expected
+    assert all(len(stream) == len(set(map(len, stream))) for stream in streams)  # one output a step, growing
+    assert sum(batch_sizes) == sum(len(stream) for stream in streams)
+    assert len(batch_sizes) <= steps and max(batch_sizes) == len(prompts)
 
 
 def test_build_off_main_thread_returns_and_raises_on_the_caller() -> None:
