@@ -485,27 +485,27 @@ def test_gemm_weight_takes_rows_from_its_threshold(kernels, monkeypatch):
 
 
 def test_dot_weight_takes_the_rows_below_the_prepacked_limit(kernels):
-    """``use_gemm_weights(..., dot_products=True)`` (a CPU with AVX512-BF16 and no AMX): from the threshold to
-    PREPACKED_MAX_ROWS rows the projection gives the dot-product kernel's bits (``bf16_gemm``, widened, then the bias),
-    from there on torch's GEMM on the bfloat16 weight, below the threshold the panels; no oneDNN copy is kept. A build
-    without the kernel keeps oneDNN's."""
-    from twophase.model.ops.gemm import PREPACKED_MAX_ROWS, use_gemm_weights
+    """``use_gemm_weights(..., dot_products=True)`` (a CPU with AVX512-BF16 and no AMX): from the threshold
+    (``DOT_MIN_ROWS`` by default) to PREPACKED_MAX_ROWS rows the projection gives the dot-product kernel's bits
+    (``bf16_gemm``, widened, then the bias), from there on torch's GEMM on the bfloat16 weight, below the threshold
+    the panels; no oneDNN copy is kept. A build without the kernel keeps oneDNN's, from ``GEMM_MIN_ROWS``."""
+    from twophase.model.ops.gemm import DOT_MIN_ROWS, GEMM_MIN_ROWS, PREPACKED_MAX_ROWS, use_gemm_weights
 
     torch.manual_seed(4)
     weight, bias = torch.randn(50, 96), torch.randn(50)
     layer, plain = KernelLinear(weight, bias, kernels), KernelLinear(weight.clone(), bias, kernels)
-    use_gemm_weights(torch.nn.Sequential(layer), torch.bfloat16, min_rows=4, dot_products=True)
+    use_gemm_weights(torch.nn.Sequential(layer), torch.bfloat16, dot_products=True)
     if not kernels.bf16_gemm_available():  # as without dot_products
         other = KernelLinear(weight.clone(), bias, kernels)
-        use_gemm_weights(torch.nn.Sequential(other), torch.bfloat16, min_rows=4)
+        use_gemm_weights(torch.nn.Sequential(other), torch.bfloat16, min_rows=GEMM_MIN_ROWS)
         x = torch.randn(17, 96)
         assert torch.equal(layer(x), other(x))
         return
     assert layer.gemm_packed is None
     packed = kernels.pack_bf16_gemm(weight.bfloat16())
-    for rows in (3, 4, 17, PREPACKED_MAX_ROWS - 1, PREPACKED_MAX_ROWS, 300):
+    for rows in (DOT_MIN_ROWS - 1, DOT_MIN_ROWS, 17, PREPACKED_MAX_ROWS - 1, PREPACKED_MAX_ROWS, 300):
         x = torch.randn(rows, 96)
-        if rows < 4:
+        if rows < DOT_MIN_ROWS:
             expected = plain(x)
         elif rows < PREPACKED_MAX_ROWS:
             expected = kernels.bf16_gemm(x, packed, 50, False) + bias

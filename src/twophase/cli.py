@@ -64,8 +64,9 @@ def add_execution_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--linear-backend", default="auto", choices=["auto", "torch"], help="torch: F.linear reference")
     parser.add_argument(
         "--gemm-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-        help="projections of 8+ rows (prefill, wide decode) through torch's GEMM in this dtype; auto: bfloat16 "
-             "where --dtype auto runs GGUF-block weights in float32 on an AMX / AVX512-BF16 CPU, else float32 (the kernels)",
+        help="projections of 8+ rows (5+ on AVX512-BF16 without AMX; prefill, wide decode) through a GEMM in this "
+             "dtype; auto: bfloat16 where --dtype auto runs GGUF-block weights in float32 on an AMX / AVX512-BF16 "
+             "CPU, else float32 (the kernels)",
     )  # fmt: skip
     parser.add_argument(
         "--deterministic", action="store_true",

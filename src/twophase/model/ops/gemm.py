@@ -17,6 +17,13 @@ from twophase.model.ops.linear import PanelLinear
 # 2 bytes a weight: decode of the whole model on the same CPU, folded against the GEMM, 2 / 4 requests 282-304 against
 # 284-304 and 368-400 against 246-255 tok/s, 8 requests 378-406 against 370-376, 12 requests 457 against 559-589.
 GEMM_MIN_ROWS = 8
+# The same threshold where the GEMM is our AVX512-BF16 dot-product kernel (a CPU without AMX, ``dot_products``): the
+# folded block panels' step time jumps from 4 to 5 rows (their second pass of rows), the dot products' does not.
+# Decode steps of the default model on 2 Zen 4 cores, two engines alternating in one process, medians of 3 rounds of
+# ~22 steps (ms), dot products from 8 rows against from 5: 4 rows 11.8 / 11.7, 5 rows 17.9 / 14.0, 6 rows 22.7 /
+# 16.9, 7 rows 24.0 / 16.3, 8 rows 16.3 / 15.9. From 2 rows: 2 rows 9.2 against 12.0, 3 rows 10.4 / 12.7, 4 rows
+# 12.6 / 13.6 (session 27).
+DOT_MIN_ROWS = 5
 # Rows below which the GEMM runs on a copy oneDNN reordered once (``prepack_for_onednn``) instead of reordering the
 # weight on every call: same shapes, 2 threads, bfloat16, packed for 32 rows: 3072 x 576 at 16 / 32 / 64 rows
 # 96 / 126 / 223 us against 156 / 189 / 273, the same bits; at 544 rows 1,070 against 1,143 us, but 576 x 1536
@@ -33,24 +40,24 @@ def prepack_for_onednn(weight: torch.Tensor, rows: int = 32) -> torch.Tensor | N
         return None
 
 
-def use_gemm_weights(model: nn.Module, dtype: torch.dtype, min_rows: int = GEMM_MIN_ROWS,
+def use_gemm_weights(model: nn.Module, dtype: torch.dtype, min_rows: int | None = None,
                      dot_products: bool = False) -> int:
     """Give every panel-kernel projection of ``model`` a ``dtype`` copy of its weight [out, in] that torch's GEMM
     runs from ``min_rows`` rows on (``LinearOp.set_gemm_weight``: prefill chunks and wide decode steps, on AMX /
     AVX512-BF16 many times the float32 kernels' rate; rows rounded to ``dtype``, results float32). Below
     ``PREPACKED_MAX_ROWS`` rows: with ``dot_products`` (a CPU with AVX512-BF16 and no AMX, where oneDNN's small-M
     GEMM leaves much of the dot-product rate unused) on our AVX512-BF16 kernel (``use_dot_weight``), else on
-    oneDNN's reordered copy. Fewer rows keep the panels (batch-1 decode reads the blocks). Returns how many
-    projections took one."""
+    oneDNN's reordered copy. Fewer rows keep the panels (batch-1 decode reads the blocks); ``min_rows`` defaults to
+    ``DOT_MIN_ROWS`` where the dot products run, else ``GEMM_MIN_ROWS``. Returns how many projections took one."""
     count = 0
     for module in model.modules():
         if isinstance(module, PanelLinear):
             weight = module.unpacked_weight().to(dtype).contiguous()  # [out, in]
             module.register_buffer("gemm_weight", weight)
-            if dot_products and use_dot_weight(module.op, weight, min_rows):
+            if dot_products and use_dot_weight(module.op, weight, min_rows or DOT_MIN_ROWS):
                 module.gemm_packed = None
-            else:
-                module.gemm_packed = set_gemm_weight(module.op, weight, min_rows)  # opaque: kept alive, not state
+            else:  # opaque: kept alive, not state
+                module.gemm_packed = set_gemm_weight(module.op, weight, min_rows or GEMM_MIN_ROWS)
             count += 1
     return count
 
@@ -60,7 +67,9 @@ def use_dot_weight(op, weight: torch.Tensor, min_rows: int) -> bool:
     the kernels' AVX512-BF16 dot-product GEMM (``bf16_gemm``: one panel of 32 outputs at a time, k in pairs) and
     from there on torch's; False (nothing set) where the kernels lack it or the shape does not suit it. On 2 Zen 4
     cores, SmolLM2's four layer shapes at 32 rows took 1.19-1.40x less time than oneDNN's reordered copy, at 8-16
-    rows 1.5-2.5x less (``docs/runs/compare-cpu/README.md``, session 24)."""
+    rows 1.5-2.5x less (``docs/runs/compare-cpu/README.md``, session 24). Tried and dropped for GGUF block weights:
+    widening each Q4_1 panel to bfloat16 in the thread's scratch instead of reading this 2-byte copy, 3.2x fewer bytes
+    but ~5 ms of widening over the model's 120 matrices, 1.07-1.13x slower at 8-100 rows (session 27)."""
     from twophase.model.ops.extension import load_kernels
 
     kernels = load_kernels()

@@ -10,7 +10,8 @@ Methods (``--quantization`` picks the weight format, the C++ kernels make it fas
   weight loaded from a GGUF file's Q8_0 / Q4_1 blocks stays in those blocks (``BlockPanelLinear``: a quarter of the
   bytes or less to stream) and is widened to float32 panel by panel in the kernel, exactly: the same bits (up to 7
   rows without batch invariance multiply by the blocks' integers instead: within float32 rounding). With
-  ``gemm.use_gemm_weights`` (``--gemm-dtype bfloat16``) 8+ rows take torch's bfloat16 GEMM on a copy of the weight.
+  ``gemm.use_gemm_weights`` (``--gemm-dtype bfloat16``) 8+ rows (5+ on our dot-product GEMM) take a bfloat16 GEMM on
+  a copy of the weight.
 - ``int8``: weight-only int8 with one float32 scale per output channel (symmetric, round to nearest), in column
   panels through the same kernel (``KernelLinear`` with a scale).
 - ``q8_0`` / ``q4_1``: GGUF's block formats (32 weights per block: ``d·q`` / ``d·q + m``), executed without
