@@ -1,5 +1,5 @@
 // The register tile of our bfloat16 dot-product kernels (AVX512-BF16 vdpbf16ps, 32 products an instruction): the
-// GEMM for 8-127 rows (gemm_bf16.cpp) and prefill attention's two products (attention.cpp).
+// GEMM for 5-127 rows (gemm_bf16.cpp) and prefill attention's two products (attention.cpp).
 #pragma once
 #include <cstdint>
 #include <cstring>

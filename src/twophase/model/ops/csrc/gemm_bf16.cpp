@@ -1,5 +1,5 @@
 // y[M, N] = x[M, K] @ W[N, K]^T in bfloat16 products with float32 sums, on AVX512-BF16's dot-product instruction
-// (vdpbf16ps: 32 products a cycle a core). Written for the rows of a batched decode step (8-127), where oneDNN's
+// (vdpbf16ps: 32 products a cycle a core). Written for the rows of a batched decode step (5-127), where oneDNN's
 // GEMM on its reordered weight used 47-72% of that rate on SmolLM2's shapes (2 Zen 4 cores: 218-331 of the 460
 // GFLOP/s measured, 32 rows) and this kernel 65-87%. Larger M (prefill) stays with oneDNN, which blocks for the
 // caches (this kernel has no cache blocking: 0.67-1.01x oneDNN's time at 2,048 rows). Tried without a gain on
