@@ -175,10 +175,37 @@ def test_fit_recovers_known_coefficients_under_5_percent_noise(tmp_path):
         assert abs(got - want) <= 0.1 * want, (name, want, got)
     assert model.report.holdout_mean_rel_error < 0.08
     assert 0.8 < float(np.median(model.residual_ratios)) < 1.2
+    assert model.rows_split == 0  # a line in the rows: no second regime
     loaded = StepTimeModel.load(model.save(tmp_path / "m.json"))
     assert loaded.coefficients == model.coefficients and loaded.gap_s == 1e-3
     assert loaded.out_of_range(StepFeatures(prefill_tokens=10**6, prefill_rows=1)) == ["prefill_tokens"]
     assert loaded.residual_prefill == [f.prefill_tokens > 0 for f in features]
+
+
+def test_fit_finds_the_row_count_where_step_time_drops(tmp_path):
+    """An engine whose kernels switch at 8 rows: decode steps of 1-7 rows cost 5 ms + 3 ms a row, from 8 rows on
+    9 ms + 1 ms a row (7 rows 26 ms, 8 rows 17 ms), 5% noise. The fit keeps a second regime from 8 rows, recovers
+    both within 10%, and the saved file keeps it; one line through both sides fits half as well."""
+    rng = np.random.default_rng(11)
+    features, durations = [], []
+    for _ in range(1500):
+        decode = int(rng.integers(1, 33))
+        prompt = int(rng.integers(64, 512)) if rng.random() < 0.2 else 0
+        f = StepFeatures(prompt, int(prompt > 0), chunk_attention_pairs(prompt, 0), decode, decode * 300, decode)
+        rows = prompt + decode
+        truth = (5e-3 + 3e-3 * decode if rows < 8 else 9e-3 + 1e-3 * decode) + 1e-4 * prompt
+        features.append(f)
+        durations.append(truth * (1 + rng.normal(0, 0.05)))
+    model = fit_step_time_model(features, durations)
+    assert model.rows_split == 8
+    assert model.report.unsplit_train_mean_rel_error > 1.5 * model.report.train_mean_rel_error
+    assert model.report.holdout_mean_rel_error < 0.08
+    for rows, want in [(1, 8e-3), (7, 26e-3), (8, 17e-3), (32, 41e-3)]:
+        got = model.predict(StepFeatures(decode_rows=rows, decode_context_tokens=rows * 300, sampled_rows=rows))
+        assert abs(got - want) <= 0.1 * want, (rows, want, got)
+    loaded = StepTimeModel.load(model.save(tmp_path / "split.json"))
+    assert (loaded.rows_split, loaded.wide_coefficients) == (8, model.wide_coefficients)
+    assert loaded.scaled(2.0).predict(StepFeatures(decode_rows=8)) == 2 * loaded.predict(StepFeatures(decode_rows=8))
 
 
 def test_noise_draws_residuals_of_the_same_step_kind():
@@ -232,6 +259,29 @@ def test_budget_policy_closed_form_floor_and_cap():
     assert policy.ratio == 2.0
     assert policy.step_budget(running, waiting) == 10 + math.floor((0.05 / policy.ratio - 3e-3) / 50e-6)
     assert FixedBudget(256).step_budget(running, waiting) == 256
+
+
+def test_budget_policy_solves_each_regime_of_a_split_model():
+    """With a second regime from 64 rows the chunk comes from the regime the whole step falls in: the wide
+    regime's when its solution keeps the step at 64 rows or more, else the narrow one's, kept below 64 rows."""
+    names = list(FEATURE_NAMES)
+
+    def coefficients(**values: float) -> list[float]:
+        return [values.get(n, 0.0) for n in names]
+
+    narrow = coefficients(constant=2e-3, prefill_tokens=50e-6, decode_rows=100e-6)
+    running = [decoding(f"d{i}", 100) for i in range(10)]
+    waiting = [Request("w", list(range(3000)), SamplingParams(max_tokens=4))]
+    base = StepFeatures(decode_rows=10, decode_context_tokens=1000, sampled_rows=10)
+    cheap = coefficients(constant=5e-3, prefill_tokens=50e-6)
+    cheap_wide = StepTimeModel(narrow, rows_split=64, wide_coefficients=cheap)
+    # wide: 50 ms = 5 ms + n × 50 µs → n = 900, a step of 910 rows: wide
+    assert SloBudget(cheap_wide, itl_s=0.05, cap=4096, floor=1, headroom=1.0).largest_chunk(base, 0) == 900
+    costly = coefficients(constant=49e-3, prefill_tokens=50e-6)
+    costly_wide = StepTimeModel(narrow, rows_split=64, wide_coefficients=costly)
+    # wide: 50 ms = 49 ms + n × 50 µs → n = 20 leaves the step at 30 rows, not wide; narrow: n = 940, kept at 53
+    assert SloBudget(costly_wide, itl_s=0.05, cap=4096, floor=1, headroom=1.0).largest_chunk(base, 0) == 53
+    assert SloBudget(costly_wide, itl_s=0.05, cap=4096, floor=1, headroom=1.0).step_budget(running, waiting) == 63
 
 
 def test_auto_budget_in_simulation_keeps_mixed_steps_within_itl_unlike_a_large_fixed_budget():

@@ -208,10 +208,12 @@ def describe_model(model: StepTimeModel) -> str:
 
     units = {"constant": "ms", "prefill_attention_pairs": "ns", "decode_context_tokens": "ns"}
     lines = ["{s:{c}^{n}}".format(s=" Step-time model ", n=50, c="=")]
-    for name, value in zip(FEATURE_NAMES, model.coefficients):
+    for name, value, wide in zip(FEATURE_NAMES, model.coefficients, model.wide_coefficients or model.coefficients):
         unit = units.get(name, "us")
         scale = {"ms": 1e3, "us": 1e6, "ns": 1e9}[unit]
         lines.append("{:<40} {:<10.4f}".format(f"{name} ({unit}):", value * scale))
+        if model.rows_split and wide != value:
+            lines.append("{:<40} {:<10.4f}".format(f"  from {model.rows_split} rows on:", wide * scale))
     lines.append("{:<40} {:<10.3f}".format("inter-step gap (ms):", model.gap_s * 1e3))
     lines.append("{:<40} {:<10.3f}".format("admission overhead (ms):", model.admission_s * 1e3))
     if model.admission_per_stream_s:
@@ -225,6 +227,9 @@ def describe_model(model: StepTimeModel) -> str:
                   "{:<40} {:<10.2f}".format("mean relative error, fit (%):", 100 * r.train_mean_rel_error),
                   "{:<40} {:<10.2f}".format("mean relative error, hold-out (%):", 100 * r.holdout_mean_rel_error),
                   "{:<40} {:<10.2f}".format("p90 relative error, hold-out (%):", 100 * r.holdout_p90_rel_error)]
+        if r.unsplit_train_mean_rel_error is not None:
+            lines.append("{:<40} {:<10.2f}".format("  fit error without the split (%):",
+                                                   100 * r.unsplit_train_mean_rel_error))
     lines.append("=" * 50)
     return "\n".join(lines)
 

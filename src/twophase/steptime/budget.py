@@ -18,11 +18,13 @@ import math
 from collections import deque
 from typing import Iterable, Protocol, Sequence
 
+import numpy as np
+
 from twophase.config import SchedulerConfig
 from twophase.outputs import SchedulerOutput
 from twophase.request import Request
 from twophase.steptime.features import StepFeatures, step_features
-from twophase.steptime.model import StepTimeModel
+from twophase.steptime.model import MIN_STEP_S, StepTimeModel
 
 
 class BudgetPolicy(Protocol):
@@ -103,9 +105,23 @@ class SloBudget:
         """Largest n ≥ 0 with ratio · predict(base + n prefill tokens over ``rows`` rows, priced as one chunk
         from ``start``) + gap ≤ target_s (a decode row's next token comes one step plus one gap later).
 
-        The prediction is a + b·n + q·n² (q from the causal pairs n·start + n(n+1)/2), solved in closed form."""
-        c = dict(zip(("constant", "pt", "pr", "pp", "dr", "dc", "s"), self.model.coefficients))
-        a = self.model.predict(base) + rows * (c["pr"] + c["s"])  # each row, sampled when it completes its prompt
+        The prediction is a + b·n + q·n² (q from the causal pairs n·start + n(n+1)/2), solved in closed form in each
+        of the model's regimes (``rows_split``): the largest n of the wide regime where the step is wide, else of
+        the narrow one below the split."""
+        split = self.model.rows_split
+        if not split:
+            return self._solve(self.model.coefficients, base, start, rows)
+        narrow_max = split - 1 - base.decode_rows  # the largest chunk that keeps the step below the split
+        wide = self._solve(self.model.wide_coefficients, base, start, rows)
+        if wide > narrow_max:
+            return wide
+        return max(0, min(narrow_max, self._solve(self.model.coefficients, base, start, rows)))
+
+    def _solve(self, coefficients: list[float], base: StepFeatures, start: int, rows: int) -> int:
+        """``largest_chunk`` with one regime's coefficients (FEATURE_NAMES order)."""
+        c = dict(zip(("constant", "pt", "pr", "pp", "dr", "dc", "s"), coefficients))
+        a = max(MIN_STEP_S, float(np.dot(coefficients, base.vector())))
+        a += rows * (c["pr"] + c["s"])  # each row, sampled when it completes its prompt
         b = c["pt"] + c["pp"] * (start + 0.5)
         q = c["pp"] / 2
         room = (self.target_s - self.model.gap_s) / self.ratio - a

@@ -20,6 +20,12 @@ from twophase.steptime.features import FEATURE_NAMES, StepFeatures
 SCHEMA = "twophase.steptime.v1"
 MIN_STEP_S = 1e-6
 MIN_KIND_RESIDUALS = 20  # fewer residuals of a step kind than this: draw from all steps
+# Row counts (prompt tokens + decode rows) at which the fit tries a second regime, where an engine switches kernels
+# (its step time drops or jumps there, so one line fits neither side), and how much lower its training error must be
+# to keep one.
+SPLIT_CANDIDATES = (*range(2, 17), 24, 32, 48, 64, 96, 128)
+SPLIT_GAIN = 0.9
+SPLIT_FEATURES = ("constant", "decode_rows")  # what differs between the regimes; the rest is shared
 log = logging.getLogger(__name__)
 
 
@@ -57,6 +63,7 @@ class FitReport:
     train_mean_rel_error: float
     holdout_mean_rel_error: float
     holdout_p90_rel_error: float
+    unsplit_train_mean_rel_error: float | None = None  # the one-regime fit's, where a split was kept
 
 
 @dataclass
@@ -72,7 +79,10 @@ class StepTimeModel:
     ``admission_per_stream_s`` per request in flight when it arrives (fitted when a served run's requests pair with
     the engine's); ``jitter_s`` and ``jitter_corr``: how much later than the engine produced them the client
     received the tokens after the first, relative to the first token's delay, and their lag-1 correlation (served
-    calibration only; see ``sim.simulator.DeliveryJitter``)."""
+    calibration only; see ``sim.simulator.DeliveryJitter``). ``rows_split`` > 0: steps of that many rows (prompt
+    tokens + decode rows) or more take ``wide_coefficients`` instead, which differ from ``coefficients`` only in
+    SPLIT_FEATURES (the engine's kernels switch there: on 2 Zen 4 cores a decode step of 7 rows took 25 ms, of 8
+    rows 18 ms)."""
 
     coefficients: list[float]
     feature_max: list[float] = field(default_factory=list)
@@ -85,6 +95,12 @@ class StepTimeModel:
     jitter_s: list[float] = field(default_factory=list)  # client-side delivery delays of tokens after the first
     jitter_corr: float = 0.0  # their lag-1 correlation within a request
     admission_per_stream_s: float = 0.0  # more admission overhead per request already in flight
+    rows_split: int = 0
+    wide_coefficients: list[float] = field(default_factory=list)
+
+    def coefficients_for(self, rows: int) -> list[float]:
+        """The coefficients (FEATURE_NAMES order) of a step of ``rows`` rows (prompt tokens + decode rows)."""
+        return self.wide_coefficients if self.rows_split and rows >= self.rows_split else self.coefficients
 
     def residuals_of_kind(self, prefill: bool) -> list[float]:
         """The calibration's residual ratios of the steps with (``prefill``) or without prompt tokens; all of them
@@ -96,7 +112,8 @@ class StepTimeModel:
 
     def predict(self, features: StepFeatures) -> float:
         """Predicted seconds of one step."""
-        return max(MIN_STEP_S, float(np.dot(self.coefficients, features.vector())))
+        coefficients = self.coefficients_for(features.prefill_tokens + features.decode_rows)
+        return max(MIN_STEP_S, float(np.dot(coefficients, features.vector())))
 
     def out_of_range(self, features: StepFeatures) -> list[str]:
         """Names of the features above the calibrated range."""
@@ -105,7 +122,7 @@ class StepTimeModel:
         return [name for name, v, hi in zip(FEATURE_NAMES, features.vector(), self.feature_max) if v > hi]
 
     def coefficient(self, name: str) -> float:
-        """One coefficient by feature name."""
+        """One coefficient by feature name (below ``rows_split``)."""
         return self.coefficients[FEATURE_NAMES.index(name)]
 
     def scaled(self, factor: float) -> "StepTimeModel":
@@ -114,7 +131,8 @@ class StepTimeModel:
         if not factor > 0:
             raise ValueError(f"a step-time scale must be positive, got {factor}")
         meta = {**self.meta, "scale": float(self.meta.get("scale", 1.0)) * factor}
-        return replace(self, coefficients=[c * factor for c in self.coefficients], meta=meta)
+        return replace(self, coefficients=[c * factor for c in self.coefficients],
+                       wide_coefficients=[c * factor for c in self.wide_coefficients], meta=meta)
 
     def to_json(self) -> dict[str, Any]:
         """The saved form."""
@@ -142,7 +160,8 @@ class StepTimeModel:
                    list(map(float, data.get("residual_ratios", []))), float(data.get("gap_s", 0.0)), report,
                    dict(data.get("meta", {})), float(data.get("admission_s", 0.0)),
                    list(map(bool, data.get("residual_prefill", []))), list(map(float, data.get("jitter_s", []))),
-                   float(data.get("jitter_corr", 0.0)), float(data.get("admission_per_stream_s", 0.0)))  # fmt: skip
+                   float(data.get("jitter_corr", 0.0)), float(data.get("admission_per_stream_s", 0.0)),
+                   int(data.get("rows_split", 0)), list(map(float, data.get("wide_coefficients", []))))  # fmt: skip
 
 
 def _fit(x: np.ndarray, y: np.ndarray) -> np.ndarray:
@@ -184,13 +203,51 @@ def fit_step_time_model(features: Sequence[StepFeatures], durations: Sequence[fl
     order = np.random.default_rng(seed).permutation(len(y))
     num_holdout = max(1, int(len(y) * holdout_fraction))
     test, train = order[:num_holdout], order[num_holdout:]
-    holdout_errors = _rel_errors(x[test], y[test], _fit(x[train], y[train]))
-    coef = _fit(x, y)
-    ratios = y / np.maximum(x @ coef, MIN_STEP_S)
-    report = FitReport(len(y), num_holdout, float(_rel_errors(x, y, coef).mean()), float(holdout_errors.mean()),
-                       float(np.percentile(holdout_errors, 90)))  # fmt: skip
-    return StepTimeModel(coef.tolist(), x.max(axis=0).tolist(), np.round(ratios, 4).tolist(), gap_s, report,
-                         residual_prefill=has_prompt_tokens(x).tolist())  # fmt: skip
+    rows = x[:, FEATURE_NAMES.index("prefill_tokens")] + x[:, FEATURE_NAMES.index("decode_rows")]  # [m]
+    split, unsplit_error = _choose_split(x[train], y[train], rows[train])
+    xs = _split_design(x, rows, split)  # [m, n + 2]
+    holdout_errors = _rel_errors(xs[test], y[test], _fit(xs[train], y[train]))
+    coef = _fit(xs, y)
+    ratios = y / np.maximum(xs @ coef, MIN_STEP_S)
+    report = FitReport(len(y), num_holdout, float(_rel_errors(xs, y, coef).mean()), float(holdout_errors.mean()),
+                       float(np.percentile(holdout_errors, 90)), unsplit_error if split else None)  # fmt: skip
+    narrow, wide = _regime_coefficients(coef)
+    return StepTimeModel(narrow, x.max(axis=0).tolist(), np.round(ratios, 4).tolist(), gap_s, report,
+                         residual_prefill=has_prompt_tokens(x).tolist(), rows_split=split,
+                         wide_coefficients=wide if split else [])  # fmt: skip
+
+
+def _split_design(x: np.ndarray, rows: np.ndarray, split: int) -> np.ndarray:
+    """x [m, n] with SPLIT_FEATURES' columns zeroed from ``split`` rows on and appended with only those rows
+    ([m, n + len(SPLIT_FEATURES)]: each regime its own coefficients for them); zero columns where ``split`` is 0."""
+    wide = (rows >= split) if split else np.zeros(len(rows), dtype=bool)  # [m]
+    cols = [FEATURE_NAMES.index(name) for name in SPLIT_FEATURES]
+    narrow_part = x.copy()
+    narrow_part[np.ix_(wide, cols)] = 0.0
+    return np.column_stack([narrow_part, x[:, cols] * wide[:, None]])
+
+
+def _regime_coefficients(coef: np.ndarray) -> tuple[list[float], list[float]]:
+    """The split fit's coefficients [n + len(SPLIT_FEATURES)] as the two regimes' FEATURE_NAMES-ordered lists."""
+    n = len(FEATURE_NAMES)
+    narrow, wide = coef[:n].tolist(), coef[:n].tolist()
+    for i, name in enumerate(SPLIT_FEATURES):
+        wide[FEATURE_NAMES.index(name)] = float(coef[n + i])
+    return narrow, wide
+
+
+def _choose_split(x: np.ndarray, y: np.ndarray, rows: np.ndarray) -> tuple[int, float]:
+    """The row count (of SPLIT_CANDIDATES) whose two-regime fit has the least training error, or 0 where none
+    beats the one-regime fit's by SPLIT_GAIN (a line in the rows needs no split); and the one-regime error."""
+    def error(split: int) -> float:
+        xs = _split_design(x, rows, split)
+        return float(_rel_errors(xs, y, _fit(xs, y)).mean())
+
+    unsplit = error(0)
+    enough = [t for t in SPLIT_CANDIDATES if MIN_KIND_RESIDUALS <= (rows >= t).sum() <= len(rows) - MIN_KIND_RESIDUALS]
+    tried = [(error(t), t) for t in enough]  # each regime with at least MIN_KIND_RESIDUALS steps
+    best_error, best = min(tried, default=(unsplit, 0))
+    return (best, unsplit) if best_error <= SPLIT_GAIN * unsplit else (0, unsplit)
 
 
 def busy_gap(start_times: Sequence[float], durations: Sequence[float], step_ids: Sequence[int]) -> float:
