@@ -98,10 +98,11 @@ def start_model_runner(config: EngineConfig, source, progress: bool = True) -> M
 
 def resolve_gemm_dtype(config: EngineConfig, source) -> torch.dtype | None:
     """The dtype of the GEMM that projections of 8+ rows (5+ on the dot products: gemm.DOT_MIN_ROWS; prefill
-    chunks, wide decode steps) run in, None for the kernels at every batch size. 'auto' → bfloat16 where ``--dtype auto`` chose float32 for weights stored in GGUF
-    blocks on a CPU with bfloat16 arithmetic (AMX / AVX512-BF16): batch-1 decode reads the blocks exactly, the big
-    multiplies take the bfloat16 units, as ``--dtype auto`` asks of such CPUs. Never under ``--deterministic`` or
-    an explicit ``--dtype``: ``--dtype float32`` keeps the exactness contract."""
+    chunks, wide decode steps) run in, None for the kernels at every batch size. 'auto' → bfloat16 where ``--dtype
+    auto`` chose float32 for weights stored in GGUF blocks on a CPU with bfloat16 arithmetic (AMX / AVX512-BF16):
+    batch-1 decode reads the blocks exactly, the big multiplies take the bfloat16 units, as ``--dtype auto`` asks of
+    such CPUs. Never under ``--deterministic`` or an explicit ``--dtype``: ``--dtype float32`` keeps the exactness
+    contract."""
     name = config.gemm_dtype
     if name not in ("auto", "float32", "bfloat16"):
         raise ValueError(f"unknown GEMM dtype {name!r}; choose auto, float32 or bfloat16")

@@ -18,13 +18,11 @@ import math
 from collections import deque
 from typing import Iterable, Protocol, Sequence
 
-import numpy as np
-
 from twophase.config import SchedulerConfig
 from twophase.outputs import SchedulerOutput
 from twophase.request import Request
-from twophase.steptime.features import StepFeatures, step_features
-from twophase.steptime.model import MIN_STEP_S, StepTimeModel
+from twophase.steptime.features import FEATURE_NAMES, StepFeatures, step_features
+from twophase.steptime.model import StepTimeModel
 
 
 class BudgetPolicy(Protocol):
@@ -110,20 +108,20 @@ class SloBudget:
         the narrow one below the split."""
         split = self.model.rows_split
         if not split:
-            return self._solve(self.model.coefficients, base, start, rows)
+            return self._solve(0, base, start, rows)
         narrow_max = split - 1 - base.decode_rows  # the largest chunk that keeps the step below the split
-        wide = self._solve(self.model.wide_coefficients, base, start, rows)
+        wide = self._solve(split, base, start, rows)
         if wide > narrow_max:
             return wide
-        return max(0, min(narrow_max, self._solve(self.model.coefficients, base, start, rows)))
+        return max(0, min(narrow_max, self._solve(0, base, start, rows)))
 
-    def _solve(self, coefficients: list[float], base: StepFeatures, start: int, rows: int) -> int:
-        """``largest_chunk`` with one regime's coefficients (FEATURE_NAMES order)."""
-        c = dict(zip(("constant", "pt", "pr", "pp", "dr", "dc", "s"), coefficients))
-        a = max(MIN_STEP_S, float(np.dot(coefficients, base.vector())))
-        a += rows * (c["pr"] + c["s"])  # each row, sampled when it completes its prompt
-        b = c["pt"] + c["pp"] * (start + 0.5)
-        q = c["pp"] / 2
+    def _solve(self, regime_rows: int, base: StepFeatures, start: int, rows: int) -> int:
+        """``largest_chunk`` in the regime of a step of ``regime_rows`` rows."""
+        c = dict(zip(FEATURE_NAMES, self.model.coefficients_for(regime_rows)))
+        a = self.model.predict(base, regime_rows)
+        a += rows * (c["prefill_rows"] + c["sampled_rows"])  # each row, sampled when it completes its prompt
+        b = c["prefill_tokens"] + c["prefill_attention_pairs"] * (start + 0.5)
+        q = c["prefill_attention_pairs"] / 2
         room = (self.target_s - self.model.gap_s) / self.ratio - a
         if room <= 0:
             return 0

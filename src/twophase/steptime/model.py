@@ -110,10 +110,11 @@ class StepTimeModel:
         same = [r for r, p in zip(self.residual_ratios, self.residual_prefill) if p == prefill]
         return same if len(same) >= MIN_KIND_RESIDUALS else self.residual_ratios
 
-    def predict(self, features: StepFeatures) -> float:
-        """Predicted seconds of one step."""
-        coefficients = self.coefficients_for(features.prefill_tokens + features.decode_rows)
-        return max(MIN_STEP_S, float(np.dot(coefficients, features.vector())))
+    def predict(self, features: StepFeatures, rows: int | None = None) -> float:
+        """Predicted seconds of one step; ``rows``: price it in the regime of a step of that many rows instead of
+        its own (the budget policy prices the decode rows of a step whose chunk is still to be chosen)."""
+        rows = features.prefill_tokens + features.decode_rows if rows is None else rows
+        return max(MIN_STEP_S, float(np.dot(self.coefficients_for(rows), features.vector())))
 
     def out_of_range(self, features: StepFeatures) -> list[str]:
         """Names of the features above the calibrated range."""

@@ -49,15 +49,17 @@ def use_gemm_weights(model: nn.Module, dtype: torch.dtype, min_rows: int | None 
     GEMM leaves much of the dot-product rate unused) on our AVX512-BF16 kernel (``use_dot_weight``), else on
     oneDNN's reordered copy. Fewer rows keep the panels (batch-1 decode reads the blocks); ``min_rows`` defaults to
     ``DOT_MIN_ROWS`` where the dot products run, else ``GEMM_MIN_ROWS``. Returns how many projections took one."""
+    dot_min_rows = DOT_MIN_ROWS if min_rows is None else min_rows
+    gemm_min_rows = GEMM_MIN_ROWS if min_rows is None else min_rows
     count = 0
     for module in model.modules():
         if isinstance(module, PanelLinear):
             weight = module.unpacked_weight().to(dtype).contiguous()  # [out, in]
             module.register_buffer("gemm_weight", weight)
-            if dot_products and use_dot_weight(module.op, weight, min_rows or DOT_MIN_ROWS):
+            if dot_products and use_dot_weight(module.op, weight, dot_min_rows):
                 module.gemm_packed = None
             else:  # opaque: kept alive, not state
-                module.gemm_packed = set_gemm_weight(module.op, weight, min_rows or GEMM_MIN_ROWS)
+                module.gemm_packed = set_gemm_weight(module.op, weight, gemm_min_rows)
             count += 1
     return count
 
