@@ -153,7 +153,7 @@ class Profile:
     """Everything a run needs: the engine, the run lengths, the grid, the workloads."""
 
     model: str
-    dtype: str = "float32"
+    dtype: str = "auto"  # what `twophase serve` runs by default (bfloat16 on AVX512-BF16 / AMX CPUs)
     max_model_len: int = 2048
     max_num_seqs: int = 64
     budget: int = 512
@@ -1147,7 +1147,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help=f"default {DEFAULT_MODEL} (--smoke: a tiny random model)")
-    p.add_argument("--dtype", default="float32")
+    p.add_argument("--dtype", default="auto", help="engine dtype (default: auto, as `twophase serve`)")
     p.add_argument("--threads", type=int, default=None, help="engine threads (default: the engine's)")
     p.add_argument("--steptime", default=None, metavar="FILE", help="reuse a step-time model (skip calibration)")
     p.add_argument("--calibration", choices=["served", "grid"], default="served",
