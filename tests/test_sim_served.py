@@ -150,6 +150,12 @@ def test_drift_scale_recovers_a_uniform_slowdown_and_scaled_models_predict_it(tm
     assert rescaled.predict(f) == pytest.approx(rescaled.meta["scale"] * linear_model().predict(f))
     assert rescaled.scaled(0.5).meta["scale"] == pytest.approx(0.5 * rescaled.meta["scale"])
     assert rescaled.gap_s == linear_model().gap_s
+    halfway = rescale_from_dumps(linear_model(), [str(records)], weight=0.5)  # drift ** 0.5, the drift kept in meta
+    assert halfway.meta["scale"] == pytest.approx(rescaled.meta["scale"] ** 0.5)
+    assert halfway.meta["drift"] == pytest.approx(rescaled.meta["scale"]) and halfway.meta["drift_weight"] == 0.5
+    assert rescale_from_dumps(linear_model(), [str(records)], weight=0.0).meta["scale"] == 1.0
+    with pytest.raises(ValueError, match="weight"):
+        rescale_from_dumps(linear_model(), [str(records)], weight=1.5)
     with pytest.raises(ValueError, match="positive"):
         linear_model().scaled(0.0)
     with pytest.raises(ValueError, match="no timed step"):
@@ -169,6 +175,9 @@ def test_sim_rescaled_from_records_stretches_every_step(tiny_llama_dir, tmp_path
     assert main([*argv, "--result-filename", "plain.json"]) == 0
     assert main([*argv, "--result-filename", "scaled.json", "--rescale-from-records", str(records)]) == 0
     assert "step times x2.000 (the drift over 80 recorded steps)" in capsys.readouterr().out
+    assert main([*argv, "--result-filename", "half.json", "--rescale-from-records", str(records),
+                 "--rescale-weight", "0.5"]) == 0
+    assert "step times x1.414 (the drift x2.000 weighted 0.5 over 80 recorded steps)" in capsys.readouterr().out
     plain, scaled = (json.loads((tmp_path / f"{n}.json").read_text()) for n in ("plain", "scaled"))
     assert plain["step_time_scale"] == 1.0 and scaled["step_time_scale"] == pytest.approx(2.0)
     # a burst with no gap or admission: every figure is a sum of step times, so all double

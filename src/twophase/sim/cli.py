@@ -40,6 +40,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     sim.add_argument("--rescale-from-records", nargs="+", default=None, metavar="JSON",
                      help="/v1/records dumps of the target server's latest runs: every predicted step is scaled by "
                      "their actual / predicted step time (the machine's drift since calibrating)")  # fmt: skip
+    sim.add_argument("--rescale-weight", type=float, default=1.0, metavar="W",
+                     help="with --rescale-from-records: scale by drift ** W, W in [0, 1] (default 1: the whole "
+                     "drift; less trusts the dumps less, e.g. when they ran another mix of steps)")
     sim.add_argument("--noise", action="store_true",
                      help="multiply each predicted step by a residual ratio drawn from the calibration's steps of its "
                      "kind (default: the model's prediction; per-step draws widen the tails beyond a served run's)")
@@ -133,7 +136,7 @@ def sim_setup(args: argparse.Namespace) -> SimSetup:
     if args.rescale_from_records:
         from twophase.sim.calibrate import rescale_from_dumps
 
-        model = rescale_from_dumps(model, args.rescale_from_records)
+        model = rescale_from_dumps(model, args.rescale_from_records, args.rescale_weight)
     max_len, num_blocks = _engine_shape(config, args.num_kv_blocks)
     scheduler = dataclasses.replace(config.scheduler, max_model_len=max_len)
     gap = model.gap_s if args.gap_ms is None else args.gap_ms / 1000
@@ -235,7 +238,9 @@ def sim_note(setup: SimSetup, result: SimResult) -> str:
     error = f", hold-out error {100 * report.holdout_mean_rel_error:.1f}%" if report else ""
     outside = f"; {result.num_out_of_range} steps outside the calibrated range" if result.num_out_of_range else ""
     scale, steps = setup.model.meta.get("scale"), setup.model.meta.get("rescaled_steps")
-    rescaled = f", step times x{scale:.3f} (the drift over {steps} recorded steps)" if scale else ""
+    drift, weight = setup.model.meta.get("drift"), setup.model.meta.get("drift_weight", 1.0)
+    shrunk = f" x{drift:.3f} weighted {weight:g}" if drift is not None and weight != 1.0 else ""
+    rescaled = f", step times x{scale:.3f} (the drift{shrunk} over {steps} recorded steps)" if scale else ""
     return (f"simulated: {len(result.steps)} steps, {setup.num_blocks} KV blocks, gap {setup.gap_s * 1e3:.2f} ms, "
             f"admission {setup.admission_s * 1e3:.1f} ms + {setup.admission_per_stream_s * 1e3:.2f} ms per request "
             f"in flight, noise {'on' if setup.noise else 'off'}, delivery jitter {'on' if setup.jitter else 'off'}"
