@@ -249,9 +249,9 @@ def make_profile(args: argparse.Namespace) -> Profile:
     profile.measured_repeats = args.measured_repeats
     profile.rescale, profile.probe_prompts, profile.drift_window = not args.no_rescale, args.probe_prompts, \
         args.drift_window
-    if not 0.0 <= args.drift_weight <= 1.0:
-        raise ValueError(f"--drift-weight must lie in [0, 1], got {args.drift_weight}")
-    profile.drift_weight = args.drift_weight
+    from twophase.sim.calibrate import check_drift_weight
+
+    profile.drift_weight = check_drift_weight(args.drift_weight)  # before the runs, not at the first rescale
     profile.auto.itl_ms, profile.auto.ttft_ms = args.auto_itl_ms, args.auto_ttft_ms
     profile.auto.itl_slack = args.itl_slack
     return profile

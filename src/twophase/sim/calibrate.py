@@ -185,16 +185,21 @@ def fit_from_dumps(record_paths: list[str], result_paths: list[str] | None = Non
     return model
 
 
+def check_drift_weight(weight: float) -> float:
+    """``weight`` when it lies in [0, 1] (the share of a measured drift a rescale applies), else ValueError."""
+    if not 0.0 <= weight <= 1.0:
+        raise ValueError(f"the drift weight must lie in [0, 1], got {weight}")
+    return weight
+
+
 def rescale_from_dumps(model: StepTimeModel, record_paths: list[str], weight: float = 1.0) -> StepTimeModel:
     """``model`` scaled by the drift (Σ actual ÷ Σ predicted) over the steps of `/v1/records` dumps: the target
     server's latest runs, so a prediction follows the machine's speed now rather than at calibration. ``weight``
     in [0, 1] shrinks the drift toward 1 (the scale is drift ** weight): a drift measured on other runs also holds
     the model's error on their mix of steps and the host's passing noise, not only a lasting change of speed."""
-    if not 0.0 <= weight <= 1.0:
-        raise ValueError(f"the drift weight must lie in [0, 1], got {weight}")
     features, durations, _ = records_from_dumps(record_paths)
     drift = drift_scale(model, features, durations)
-    scaled = model.scaled(drift**weight)
+    scaled = model.scaled(drift ** check_drift_weight(weight))
     scaled.meta.update(rescaled_on=[Path(p).name for p in record_paths], rescaled_steps=len(durations),
                        drift=drift, drift_weight=weight)
     return scaled
