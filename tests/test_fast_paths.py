@@ -19,6 +19,7 @@ import torch
 
 from prerequisites import in_ci
 from test_parity_hf import PROMPTS, packed_logits
+from twophase.outputs import ScheduledRequest, SchedulerOutput
 from twophase import LLM, SamplingParams
 from twophase.model.ops.extension import load_kernels
 from twophase.engine import llm_engine
@@ -235,6 +236,49 @@ def test_decoder_stack_is_bit_identical_to_the_python_layer_loop(fixture, quanti
     ours, theirs = stacked.generate(PROMPTS, params), looped.generate(PROMPTS, params)
     assert [o.token_ids for o in ours] == [o.token_ids for o in theirs]
     assert [o.logprobs for o in ours] == [o.logprobs for o in theirs]
+
+
+def hidden_of_rows(llm: LLM, prompts: list[list[int]], counts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states of one flat batch of ``prompts`` (fresh cache blocks each): every row's, and the model's answer
+    for the last ``counts[i]`` rows of prompt i alone (``output_rows``: the sampled rows of a step)."""
+    from twophase.engine.input_batch import build_input_batch
+
+    runner = llm.engine.model_runner
+    scheduled, next_block = [], 0
+    for i, (ids, count) in enumerate(zip(prompts, counts)):
+        blocks = list(range(next_block, next_block - (-len(ids) // runner.block_size)))
+        next_block += len(blocks)
+        drafts = ids[len(ids) - count + 1:] if count > 1 else []  # count rows sampled: 1 + proposals
+        scheduled.append(ScheduledRequest(f"p{i}", ids, 0, blocks, sample=count > 0, is_prompt=True,
+                                          spec_token_ids=drafts))
+    batch = build_input_batch(SchedulerOutput(0, scheduled), runner.block_size, runner.device)
+    model = runner.model
+    with torch.inference_mode():
+        every = model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)  # [T, hidden]
+        chosen = model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta, batch.sample_token_indices,
+                       batch.sample_query_start_loc)  # [N, hidden]
+    return every[batch.sample_token_indices], chosen
+
+
+@pytest.mark.parametrize("gemm_dtype", [None, "bfloat16"])
+def test_decoder_stack_runs_the_last_layer_on_the_sampled_rows_alone(tiny_llama_dir, gemm_dtype):
+    """``output_rows``: the stack writes every row's K / V, then runs the last layer on the rows asked for (one
+    request's last three, another's none, a third's last one). In float32 their hidden states are the full
+    forward's bit for bit (the kernels' arithmetic of a row does not depend on the others); under bfloat16 GEMMs
+    those rows take the small-batch GEMM instead of the wide one, whose sums round to bfloat16 (2^-9 relative) in
+    another order, in each of the last layer's three GEMMs and its SiLU-and-mul: four roundings of up to 2^-8, so
+    within 2^-6 of the largest value. A step that samples nothing gets no rows."""
+    prompts = [[(7 * i) % 60 + 2 for i in range(50)], [(3 * i) % 50 + 1 for i in range(37)], [5] * 20]
+    llm = make_llm(tiny_llama_dir, dtype="float32", **({"gemm_dtype": gemm_dtype} if gemm_dtype else {}))
+    expected, chosen = hidden_of_rows(llm, prompts, [3, 0, 1])
+    assert llm.engine.model_runner.model.stack  # the stack ran
+    assert chosen.shape == (4, expected.shape[1])
+    if gemm_dtype is None:
+        assert torch.equal(chosen, expected)
+    else:
+        torch.testing.assert_close(chosen, expected, rtol=0, atol=2**-6 * expected.abs().max().item())
+    none_expected, none = hidden_of_rows(llm, prompts, [0, 0, 0])
+    assert none.shape == none_expected.shape == (0, expected.shape[1])
 
 
 @pytest.mark.parametrize("amx", [False, True])

@@ -21,11 +21,13 @@ def run_command(runner, kind: str, scheduler_output: SchedulerOutput) -> None:
     """The forward rank 0 runs for ``kind`` ("execute": logits of the sampled rows; "logits": of every row),
     with the same collectives in the same order."""
     batch = build_input_batch(scheduler_output, runner.block_size, runner.device)
-    hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)  # [T, hidden]
     if kind == "logits":
+        runner.model.compute_logits(runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta))
+        return
+    hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta,
+                          batch.sample_token_indices, batch.sample_query_start_loc)  # [num_logits, hidden]
+    if batch.sample_request_ids:
         runner.model.compute_logits(hidden)
-    elif batch.sample_request_ids:
-        runner.model.compute_logits(hidden[batch.sample_token_indices])
 
 
 def worker_loop(runner) -> None:

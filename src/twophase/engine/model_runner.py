@@ -267,10 +267,11 @@ class ModelRunner:
         ([num_logits, vocab], model dtype; None when no row samples). Under tensor parallelism the other ranks
         run the same forward. Neither samples nor touches request states (the phase benchmark times this)."""
         with self._distributed("execute", scheduler_output):
-            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta)  # [T, hidden]
+            hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta,
+                                batch.sample_token_indices, batch.sample_query_start_loc)  # [num_logits, hidden]
             if not batch.sample_request_ids:
                 return None
-            return self.model.compute_logits(hidden[batch.sample_token_indices])
+            return self.model.compute_logits(hidden)
 
     def _sample(self, logits: torch.Tensor, request_ids: list[str]) -> ModelRunnerOutput:
         """One token per request. logits: [num_sampled, vocab]."""

@@ -99,8 +99,9 @@ class DraftModelProposer:
             return {}
         runner = self.runner
         batch = build_input_batch(SchedulerOutput(step_id=0, scheduled=scheduled), runner.block_size, runner.device)
-        hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)  # [T, hidden]
-        logits = runner.model.compute_logits(hidden[batch.sample_token_indices])  # [R, vocab]
+        hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta,
+                              batch.sample_token_indices, batch.sample_query_start_loc)  # [R, hidden]
+        logits = runner.model.compute_logits(hidden)  # [R, vocab]
         return dict(zip(batch.sample_request_ids, logits.argmax(dim=-1).tolist()))
 
     def _forget_others(self, live: set[str]) -> None:

@@ -119,10 +119,16 @@ at::Tensor DecoderStack::mlp(const StackLayer& layer, const at::Tensor& h) const
 
 at::Tensor DecoderStack::forward(at::Tensor residual, const at::Tensor& positions, const at::Tensor& slots,
                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                                 const at::Tensor& query_start_loc, int64_t block_size) {
+                                 const at::Tensor& query_start_loc, int64_t block_size,
+                                 const c10::optional<at::Tensor>& out_rows,
+                                 const c10::optional<at::Tensor>& out_query_start_loc) {
   TORCH_CHECK(k_caches_.size() == layers_.size(), "DecoderStack: set_kv_caches first");
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kFloat,
               "DecoderStack: residual must be a contiguous float32 [T, hidden] tensor");
+  const bool select = out_rows.has_value() && out_rows->defined();
+  TORCH_CHECK(!select || (out_rows->dim() == 1 && out_query_start_loc.has_value() &&
+                          out_query_start_loc->sizes() == query_start_loc.sizes()),
+              "DecoderStack: out_rows [N] needs out_query_start_loc shaped like query_start_loc");
   const int64_t T = residual.size(0), q_size = heads_ * head_dim_;
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
   at::Tensor h = tp::rms_norm(residual, layers_[0].input_norm, eps_);  // [T, hidden]
@@ -131,11 +137,20 @@ at::Tensor DecoderStack::forward(at::Tensor residual, const at::Tensor& position
     at::Tensor qkv = layer.qkv(h);  // [T, (H + 2 KVH) * D]
     tp::rotary_cache_(qkv, positions, cos_, sin_, k_caches_[i], v_caches_[i], slots, heads_, kv_heads_);
     // q [T, H, D]: the rotated query part of qkv, read in place (a copy was a serial pass over fresh pages)
-    const at::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads_, head_dim_});
-    at::Tensor attn = at::empty({T, heads_, head_dim_}, qkv.options());
-    tp::paged_attention(attn, q, k_caches_[i], v_caches_[i], block_tables, seq_lens, query_start_loc, block_size,
-                        scale, dense_min_queries_, dot_min_queries_);
-    h = layer.o(attn.view({T, q_size}));  // [T, hidden]
+    at::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads_, head_dim_});
+    const at::Tensor* qsl = &query_start_loc;
+    if (select && i + 1 == layers_.size()) {  // the last layer past its K / V: the rows asked for alone
+      const at::Tensor rows = out_rows->to(at::kLong);
+      if (rows.size(0) == 0) return at::empty({0, residual.size(1)}, residual.options());
+      q = q.index_select(0, rows);  // [N, H, D]
+      residual = residual.index_select(0, rows);  // [N, hidden]
+      qsl = &*out_query_start_loc;
+    }
+    const int64_t rows_now = q.size(0);
+    at::Tensor attn = at::empty({rows_now, heads_, head_dim_}, qkv.options());
+    tp::paged_attention(attn, q, k_caches_[i], v_caches_[i], block_tables, seq_lens, *qsl, block_size, scale,
+                        dense_min_queries_, dot_min_queries_);
+    h = layer.o(attn.view({rows_now, q_size}));  // [rows, hidden]
     tp::add_rms_norm_(h, residual, layer.post_norm, eps_);
     h = mlp(layer, h);
     const at::Tensor& next_norm = i + 1 < layers_.size() ? layers_[i + 1].input_norm : final_norm_;
