@@ -40,15 +40,14 @@ struct Args {
 struct Scratch {
   std::vector<float> q, acc, s, m, l, kbuf, vbuf, row;  // k/vbuf: a chunk widened; row: one row, off AVX2
   std::vector<int64_t> pos;
-  // attend_dot: the queries and probabilities as bfloat16 pairs (rows' blocks, pair-major), a key chunk's K and
+  // attend_dot: the queries and probabilities as bfloat16 rows (row-major, a pair an int32), a key chunk's K and
   // V in panels ([pairs][32][2] bfloat16: K with d in pairs and keys as columns, V with keys in pairs and d as columns)
   std::vector<int32_t> qp, pp;
-  std::vector<uint16_t> kpanel, vpanel, row16;
+  std::vector<uint16_t> kpanel, vpanel;
   Scratch(int64_t rows, int64_t D, bool dot)  // dot: with attend_dot's buffers (a call that has such items)
       : q(rows * D), acc(rows * D), s(rows * KEY_CHUNK), m(rows), l(rows), kbuf(KEY_CHUNK * D),
         vbuf(KEY_CHUNK * D), row(D), pos(rows), qp(dot ? rows * D / 2 : 0), pp(dot ? rows * KEY_CHUNK / 2 : 0),
-        kpanel(dot ? KEY_CHUNK * D : 0), vpanel(dot ? KEY_CHUNK * D : 0),
-        row16(dot ? std::max<int64_t>(D, KEY_CHUNK) : 0) {}
+        kpanel(dot ? KEY_CHUNK * D : 0), vpanel(dot ? KEY_CHUNK * D : 0) {}
 };
 
 // The next key chunk's K / V rows of the kv head being worked on (k[j] + k_off, v[j] + v_off for j < n; n = 0:
@@ -563,11 +562,37 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
 static_assert(KEY_CHUNK == kDotCols, "attend_dot scores one key chunk as one panel of 32 columns");
 constexpr int64_t kMaxDotBlocks = 16;  // tiles of rows an item may take (Q_TILE x groups rows: 192, 16 query heads a kv head)
 
+// r[i] lane j -> r[j] lane i: a 16 x 16 transpose of 32-bit values (interleaves of 32 and 64 bits within 128-bit
+// lanes, then two rounds of lane shuffles).
+inline void transpose16x16_epi32(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  __m512i u[16];  // u[4b + c]: rows 4b..4b+3 of columns c, c + 4, c + 8, c + 12 (a 128-bit lane each)
+  for (int b = 0; b < 4; ++b) {
+    u[4 * b] = _mm512_unpacklo_epi64(t[4 * b], t[4 * b + 2]);
+    u[4 * b + 1] = _mm512_unpackhi_epi64(t[4 * b], t[4 * b + 2]);
+    u[4 * b + 2] = _mm512_unpacklo_epi64(t[4 * b + 1], t[4 * b + 3]);
+    u[4 * b + 3] = _mm512_unpackhi_epi64(t[4 * b + 1], t[4 * b + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[c + 8] = _mm512_shuffle_i32x4(v0, w0, 0xdd);
+    r[c + 4] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[c + 12] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
+  }
+}
+
 // attend() for a prefill item (one kv head, bfloat16 cache, D == 64) on AVX512-BF16 dot products, as flash
 // attention runs in bfloat16: the scaled queries and each chunk's probabilities rounded to bfloat16, products summed
-// in float32. Per 32-key chunk: S = Q K^T (tiles of up to 12 rows x the chunk's 32 keys, d in pairs), the causal mask,
-// the online softmax in float32 (S's unrounded values; l sums the unrounded probabilities), then O = O * alpha + P V
-// (keys in pairs, d as two panels of 32). Rows as in attend: rr = (i - q0) * G + gh.
+// in float32. Per 32-key chunk, a tile of up to 12 rows at a time: S = Q K^T (the chunk's 32 keys as columns, d in
+// pairs); as each row's 32 scores leave the tile, the causal mask and the online softmax in float32 (S's unrounded
+// values; l sums the unrounded probabilities) in registers, the row's probabilities stored as bfloat16 pairs; then
+// O = O * alpha + P V for the tile's rows (keys in pairs, d as two panels of 32). Queries and probabilities lie
+// row-major as bfloat16 (the tile broadcasts a row's pair from there), so neither is transposed. Each row's
+// arithmetic depends on its own scores alone. Rows as in attend: rr = (i - q0) * G + gh. (Scores through a float32
+// buffer, softmax row by row on AVX2 and the probabilities transposed pair-major: 1.4x as long, session 29.)
 template <class QT>
 void attend_dot(const Args& a, const WorkItem& w, const QT* q, QT* out, const uint16_t* kc, const uint16_t* vc,
                 Scratch& sc) {
@@ -578,11 +603,12 @@ void attend_dot(const Args& a, const WorkItem& w, const QT* q, QT* out, const ui
   int64_t starts[kMaxDotBlocks + 1];
   for (int64_t b = 0; b <= blocks; ++b) starts[b] = b * rows / blocks;
   begin_item(a, w, q, sc);
-  for (int64_t b = 0; b < blocks; ++b)
-    pack_pairs(sc.q.data(), D, starts[b], starts[b + 1] - starts[b], D, sc.qp.data() + starts[b] * DP, sc.row16.data());
+  for (int64_t rr = 0; rr < rows; ++rr)  // row rr's d pairs at qp + rr * DP
+    convert(reinterpret_cast<uint16_t*>(sc.qp.data() + rr * DP), sc.q.data() + rr * D, D);
   const int32_t* bt = a.block_tables + w.req * a.max_blocks;
   const int64_t last = start + w.q1 - 1;  // furthest key position any row sees
   int32_t* kp32 = reinterpret_cast<int32_t*>(sc.kpanel.data());  // [DP][32 keys]: one int32 = a key's d pair
+  const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t p0 = 0; p0 <= last; p0 += KEY_CHUNK) {
     const int64_t n = std::min(KEY_CHUNK, last + 1 - p0);
     const uint16_t* K[KEY_CHUNK];
@@ -591,12 +617,14 @@ void attend_dot(const Args& a, const WorkItem& w, const QT* q, QT* out, const ui
     kv_rows(vc, a.v_s0, g * a.v_s1, bt, bs, p0, n, V);
     // K^T as a panel (keys past n zero), V with keys in pairs (rows past n zero: their probabilities are 0, and
     // 0 x whatever lies there could be NaN)
-    for (int64_t j = 0; j < KEY_CHUNK; ++j) {
-      int32_t pairs_of_key[DP];
-      if (j < n) std::memcpy(pairs_of_key, K[j], D * sizeof(uint16_t));
-      else std::fill(pairs_of_key, pairs_of_key + DP, 0);
-      for (int64_t dp = 0; dp < DP; ++dp) kp32[dp * KEY_CHUNK + j] = pairs_of_key[dp];
-    }
+    for (int64_t j0 = 0; j0 < KEY_CHUNK; j0 += 16)
+      for (int64_t dp0 = 0; dp0 < DP; dp0 += 16) {  // keys j0.., pairs dp0.. -> panel rows dp0.., columns j0..
+        __m512i t[16];
+        for (int64_t j = 0; j < 16; ++j)
+          t[j] = j0 + j < n ? _mm512_loadu_si512(K[j0 + j] + 2 * dp0) : _mm512_setzero_si512();
+        transpose16x16_epi32(t);
+        for (int64_t dp = 0; dp < 16; ++dp) _mm512_storeu_si512(kp32 + (dp0 + dp) * KEY_CHUNK + j0, t[dp]);
+      }
     // unpack interleaves within 128-bit lanes (lane k of lo: d 8k..8k+3 of both keys, of hi: 8k+4..8k+7): the
     // permutes put a panel row's 32 pairs in d order
     const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
@@ -611,47 +639,47 @@ void attend_dot(const Args& a, const WorkItem& w, const QT* q, QT* out, const ui
         _mm512_storeu_si512(dst + kDotCols, _mm512_permutex2var_epi64(lo, second, hi));
       }
     }
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t r0 = starts[b];
-      float* s = sc.s.data() + r0 * KEY_CHUNK;
-      with_tile_rows(starts[b + 1] - r0, [&](auto mr) {
-        dot_tile<decltype(mr)::value>(sc.qp.data() + r0 * DP, sc.kpanel.data(), DP, nullptr, 0,
-                                      [&](int r, __m512 c0, __m512 c1) {
-                                        _mm512_storeu_ps(s + r * KEY_CHUNK, c0);
-                                        _mm512_storeu_ps(s + r * KEY_CHUNK + 16, c1);
-                                      });
-      });
-    }
-    for (int64_t rr = 0; rr < rows; ++rr) {
-      float* s = sc.s.data() + rr * KEY_CHUNK;
+    // row rr's online-softmax step from its 32 scores (keys p0..p0+31 in lo, hi); its probabilities to pp + rr * KP
+    auto softmax_row = [&](int64_t rr, __m512 lo, __m512 hi) {
       const int64_t nv = std::max<int64_t>(0, std::min(n, sc.pos[rr] - p0 + 1));  // causal: keys p0..pos
-      float alpha = 1.f;
+      __m512 e_lo = _mm512_setzero_ps(), e_hi = _mm512_setzero_ps();
       if (nv > 0) {
-        const __m512 none = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
         const uint32_t valid = nv >= 32 ? 0xffffffffu : (1u << nv) - 1;
-        const __m512 lo = _mm512_mask_loadu_ps(none, static_cast<__mmask16>(valid), s);
-        const __m512 hi = _mm512_mask_loadu_ps(none, static_cast<__mmask16>(valid >> 16), s + 16);
-        const float mx = std::max(sc.m[rr], _mm512_reduce_max_ps(_mm512_max_ps(lo, hi)));
-        alpha = std::exp(sc.m[rr] - mx);  // 0 on the first chunk (m = -inf)
-        sc.l[rr] = sc.l[rr] * alpha + exp_sub_sum(s, s, mx, nv);
+        const __mmask16 vlo = static_cast<__mmask16>(valid), vhi = static_cast<__mmask16>(valid >> 16);
+        const float m_old = sc.m[rr];
+        const float mx = std::max(m_old, _mm512_reduce_max_ps(
+                                             _mm512_max_ps(_mm512_mask_mov_ps(none, vlo, lo), _mm512_mask_mov_ps(none, vhi, hi))));
+        const float alpha = mx == m_old ? 1.f : std::exp(m_old - mx);  // 0 on the first chunk (m = -inf)
+        const __m512 mv = _mm512_set1_ps(mx);
+        e_lo = _mm512_maskz_mov_ps(vlo, exp512(_mm512_sub_ps(lo, mv)));
+        e_hi = _mm512_maskz_mov_ps(vhi, exp512(_mm512_sub_ps(hi, mv)));
+        sc.l[rr] = sc.l[rr] * alpha + _mm512_reduce_add_ps(_mm512_add_ps(e_lo, e_hi));
         sc.m[rr] = mx;
+        if (alpha != 1.f) {
+          float* acc = sc.acc.data() + rr * D;
+          const __m512 av = _mm512_set1_ps(alpha);
+          for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(av, _mm512_loadu_ps(acc + d)));
+        }
       }
-      std::fill(s + nv, s + KEY_CHUNK, 0.f);
-      if (alpha != 1.f) scale_f32(sc.acc.data() + rr * D, alpha, D);
-    }
+      __m256i* pr = reinterpret_cast<__m256i*>(sc.pp.data() + rr * KP);
+      _mm256_storeu_si256(pr, bf16x16_of(e_lo));
+      _mm256_storeu_si256(pr + 1, bf16x16_of(e_hi));
+    };
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t r0 = starts[b], n_rows = starts[b + 1] - r0;
-      pack_pairs(sc.s.data(), KEY_CHUNK, r0, n_rows, KEY_CHUNK, sc.pp.data() + r0 * KP, sc.row16.data());
-      for (int64_t c = 0; c < 2; ++c) {
-        float* o = sc.acc.data() + r0 * D + c * kDotCols;
-        with_tile_rows(n_rows, [&](auto mr) {
-          dot_tile<decltype(mr)::value>(sc.pp.data() + r0 * KP, sc.vpanel.data() + c * KP * 2 * kDotCols, KP, o, D,
-                                        [&](int r, __m512 c0, __m512 c1) {
-                                          _mm512_storeu_ps(o + r * D, c0);
-                                          _mm512_storeu_ps(o + r * D + 16, c1);
-                                        });
-        });
-      }
+      with_tile_rows(n_rows, [&](auto mr) {
+        constexpr int MR = decltype(mr)::value;
+        dot_tile<MR, DP>(sc.qp.data() + r0 * DP, sc.kpanel.data(), DP, nullptr, 0,
+                         [&](int r, __m512 c0, __m512 c1) { softmax_row(r0 + r, c0, c1); });
+        for (int64_t c = 0; c < 2; ++c) {
+          float* o = sc.acc.data() + r0 * D + c * kDotCols;
+          dot_tile<MR, KP>(sc.pp.data() + r0 * KP, sc.vpanel.data() + c * KP * 2 * kDotCols, KP, o, D,
+                           [&](int r, __m512 c0, __m512 c1) {
+                             _mm512_storeu_ps(o + r * D, c0);
+                             _mm512_storeu_ps(o + r * D + 16, c1);
+                           });
+        }
+      });
     }
   }
   finish_item(a, w, out, sc);

@@ -135,6 +135,40 @@ inline __m128i bf16x8_of(__m256 f) {
 }
 #endif
 
+#ifdef __AVX512F__
+// 16 bfloat16 values as float32 (exact).
+inline __m512 widen_bf16x16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
+
+// exp(x) of 16 lanes: exp256's arithmetic lane for lane (the same clamps, polynomial and rounding).
+inline __m512 exp512(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.3762626647949f));
+  __m512 fx = _mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500E-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073E-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894E-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459E-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201E-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// 16 float32 lanes as bfloat16, rounded to nearest even (NaN kept quiet), as f32_to_bf16 / convert round them.
+inline __m256i bf16x16_of(__m512 f) {
+  const __m512i u = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmpgt_epi32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+  return _mm512_cvtepi32_epi16(r);
+}
+#endif
+
 inline void convert(uint16_t* dst, const float* src, int64_t n) {
   int64_t i = 0;
 #ifdef __AVX2__

@@ -17,12 +17,13 @@ constexpr int kDotMaxRows = 12;   // 12 x 2 accumulators + 2 panel vectors + a b
 
 // One MR x 32 tile: c[r][j] = init[r][j] + sum over k pairs p of x[r][2p] w[j][2p] + x[r][2p+1] w[j][2p+1], the
 // pairs in order, one dot-product chain per output (a row's sums never depend on the other rows). xp: the rows' k
-// pairs pair-major ([pairs][MR] int32, each two bfloat16); wp: a panel ([pairs][32][2] bfloat16); init: MR rows of
+// pairs pair-major ([pairs][MR] int32, each two bfloat16), or with XLD > 0 row-major (row r's pairs from xp + r * XLD,
+// as a row of bfloat16 values lies); wp: a panel ([pairs][32][2] bfloat16); init: MR rows of
 // 32 float32 init_ld apart, or null for zeros. store(r, c0, c1) receives row r's columns 0-15 and 16-31.
 // prefetch_pairs > 0: the panel's lines that many pairs ahead are prefetched into L1 as the tile goes (past the
 // panel: the memory after it, the next panel in a packed weight). l2_lines: one 64-byte line from there a pair is
 // prefetched into L2 (memory another tile will read).
-template <int MR, class Store>
+template <int MR, int XLD = 0, class Store>
 inline void dot_tile(const int32_t* xp, const uint16_t* wp, int64_t pairs, const float* init, int64_t init_ld,
                      Store&& store, int64_t prefetch_pairs = 0, const char* l2_lines = nullptr) {
   __m512 c0[MR], c1[MR];
@@ -41,7 +42,7 @@ inline void dot_tile(const int32_t* xp, const uint16_t* wp, int64_t pairs, const
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + p * 2 * kDotCols + kDotCols);
 #pragma GCC unroll 12
     for (int r = 0; r < MR; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(xp[p * MR + r]);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(XLD > 0 ? xp[r * XLD + p] : xp[p * MR + r]);
       c0[r] = _mm512_dpbf16_ps(c0[r], a, w0);
       c1[r] = _mm512_dpbf16_ps(c1[r], a, w1);
     }
@@ -69,8 +70,6 @@ inline void with_tile_rows(int64_t rows, Fn&& fn) {
   }
 }
 
-// 16 bfloat16 values as float32 (exact).
-inline __m512 widen_bf16x16(__m256i h) { return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)); }
 #endif
 
 // Rows [r0, r0 + rows) of src (float32 or bfloat16, ld elements apart, k values each, k even) as bfloat16 k pairs,
