@@ -34,5 +34,6 @@ def test_cuda_consistency_under_chunking_and_preemption(tiny_llama_dir, budget, 
 
 def test_cuda_bfloat16_smollm2_answers(default_model):
     llm = LLM(str(default_model), dtype="bfloat16", device="cuda", progress=False)
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}], SamplingParams(temperature=0, max_tokens=16))
+    out = llm.chat([{"role": "user", "content": "What is the capital of France? Answer in one sentence."}],
+                   SamplingParams(temperature=0, max_tokens=16))  # a wide margin (test_server_real_model)
     assert "Paris" in out[0].text
