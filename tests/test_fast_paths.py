@@ -531,8 +531,8 @@ def test_gemm_weight_takes_rows_from_its_threshold(kernels, monkeypatch):
 def test_dot_weight_takes_the_rows_below_the_prepacked_limit(kernels):
     """``use_gemm_weights(..., dot_products=True)`` (a CPU with AVX512-BF16 and no AMX): from the threshold
     (``DOT_MIN_ROWS`` by default) to PREPACKED_MAX_ROWS rows the projection gives the dot-product kernel's bits
-    (``bf16_gemm``, widened, then the bias), from there on torch's GEMM on the bfloat16 weight, below the threshold
-    the panels; no oneDNN copy is kept. A build without the kernel keeps oneDNN's, from ``GEMM_MIN_ROWS``."""
+    (``bf16_gemm``, widened, then the bias), from there on torch's GEMM on the bfloat16 weight (a wide weight: the
+    dot products still), below the threshold the panels; no oneDNN copy is kept. A build without the kernel keeps oneDNN's, from ``GEMM_MIN_ROWS``."""
     from twophase.model.ops.gemm import DOT_MIN_ROWS, GEMM_MIN_ROWS, PREPACKED_MAX_ROWS, use_gemm_weights
 
     torch.manual_seed(4)
@@ -556,6 +556,16 @@ def test_dot_weight_takes_the_rows_below_the_prepacked_limit(kernels):
         else:
             expected = torch.nn.functional.linear(x.bfloat16(), weight.bfloat16()).float() + bias
         assert torch.equal(layer(x), expected), rows
+    # a weight with DOT_EVERY_ROW_MIN_RATIO times as many outputs as inputs keeps the dot products at every count
+    from twophase.model.ops.gemm import DOT_EVERY_ROW_MIN_RATIO
+
+    wide_weight = torch.randn(DOT_EVERY_ROW_MIN_RATIO * 96, 96)
+    wide = KernelLinear(wide_weight, None, kernels)
+    use_gemm_weights(torch.nn.Sequential(wide), torch.bfloat16, dot_products=True)
+    wide_packed = kernels.pack_bf16_gemm(wide_weight.bfloat16())
+    for rows in (17, PREPACKED_MAX_ROWS, 300):
+        x = torch.randn(rows, 96)
+        assert torch.equal(wide(x), kernels.bf16_gemm(x, wide_packed, wide_weight.shape[0], False)), rows
 
 
 @pytest.mark.parametrize("fast_bf16", [False, True])

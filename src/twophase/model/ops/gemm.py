@@ -29,6 +29,13 @@ DOT_MIN_ROWS = 5
 # 96 / 126 / 223 us against 156 / 189 / 273, the same bits; at 544 rows 1,070 against 1,143 us, but 576 x 1536
 # 820 against 668 us (and other bits), so prefill chunks keep at::linear.
 PREPACKED_MAX_ROWS = 128
+# A weight with at least this many outputs per input ([out, in]) keeps the dot-product GEMM at every row count
+# (``use_dot_weight``): SmolLM2's gate/up (3072 x 576) at 2048 rows took 16.5-17.5 ms there against oneDNN's
+# 17.4-19.3 (three runs, 2 Zen 4 cores), where its other shapes took longer on the dot products than on oneDNN
+# (qkv 960 x 576: 5.5-6.7 against 5.3-6.1 ms; o 576 x 576: 3.4-4.4 against 3.2-3.6; down 576 x 1536: 10.4-13.4
+# against 8.4-8.8). A 2,048-token prefill step: ~30 ms (2%) less.
+DOT_EVERY_ROW_MIN_RATIO = 4
+ANY_ROWS = 1 << 62
 
 
 def prepack_for_onednn(weight: torch.Tensor, rows: int = 32) -> torch.Tensor | None:
@@ -67,7 +74,8 @@ def use_gemm_weights(model: nn.Module, dtype: torch.dtype, min_rows: int | None 
 def use_dot_weight(op, weight: torch.Tensor, min_rows: int) -> bool:
     """``op`` takes ``weight`` (bfloat16 [out, in]) from ``min_rows`` rows on, below ``PREPACKED_MAX_ROWS`` rows on
     the kernels' AVX512-BF16 dot-product GEMM (``bf16_gemm``: one panel of 32 outputs at a time, k in pairs) and
-    from there on torch's; False (nothing set) where the kernels lack it or the shape does not suit it. On 2 Zen 4
+    from there on torch's (at every row count on the dot products where the weight has ``DOT_EVERY_ROW_MIN_RATIO``
+    times as many outputs as inputs); False (nothing set) where the kernels lack it or the shape does not suit it. On 2 Zen 4
     cores, SmolLM2's four layer shapes at 32 rows took 1.19-1.40x less time than oneDNN's reordered copy, at 8-16
     rows 1.5-2.5x less (``docs/runs/compare-cpu/README.md``, session 24). Tried and dropped for GGUF block weights:
     widening each Q4_1 panel to bfloat16 in the thread's scratch instead of reading this 2-byte copy, 3.2x fewer bytes
@@ -78,7 +86,8 @@ def use_dot_weight(op, weight: torch.Tensor, min_rows: int) -> bool:
     if kernels is None or not kernels.bf16_gemm_available() or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
         return False
     op.set_gemm_weight(weight, min_rows, None, 0)
-    op.set_dot_weight(kernels.pack_bf16_gemm(weight), PREPACKED_MAX_ROWS)  # [panels, in / 2, 32, 2]
+    wide = weight.shape[0] >= DOT_EVERY_ROW_MIN_RATIO * weight.shape[1]
+    op.set_dot_weight(kernels.pack_bf16_gemm(weight), ANY_ROWS if wide else PREPACKED_MAX_ROWS)  # [panels, in / 2, 32, 2]
     return True
 
 
