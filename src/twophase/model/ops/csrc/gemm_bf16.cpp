@@ -71,14 +71,18 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, b
   std::vector<int64_t> starts(blocks + 1);
   for (int64_t b = 0; b <= blocks; ++b) starts[b] = b * M / blocks;
   // x's rows as bfloat16 k pairs, block by block: block b's at xp[starts[b] * pairs], pair-major
+  // (over the threads from ~64K values on: 2,048 x 576 took 0.7 ms on one Zen 4 core; a decode step's 32 rows stay on
+  // the calling thread, as a parallel region costs more than they do)
   std::vector<int32_t> xp(M * pairs);
-  std::vector<uint16_t> row(K);
-  for (int64_t b = 0; b < blocks; ++b) {
-    const int64_t r0 = starts[b], rows = starts[b + 1] - r0;
-    if (xc.scalar_type() == at::kFloat) pack_pairs(xc.data_ptr<float>(), K, r0, rows, K, xp.data() + r0 * pairs, row.data());
-    else pack_pairs(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), K, r0, rows, K,
-                    xp.data() + r0 * pairs, row.data());
-  }
+  at::parallel_for(0, blocks, std::max<int64_t>(1, 65536 / (kDotMaxRows * K)), [&](int64_t b0, int64_t b1) {
+    std::vector<uint16_t> row(K);
+    for (int64_t b = b0; b < b1; ++b) {
+      const int64_t r0 = starts[b], rows = starts[b + 1] - r0;
+      if (xc.scalar_type() == at::kFloat) pack_pairs(xc.data_ptr<float>(), K, r0, rows, K, xp.data() + r0 * pairs, row.data());
+      else pack_pairs(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), K, r0, rows, K,
+                      xp.data() + r0 * pairs, row.data());
+    }
+  });
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* out16 = bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   float* out32 = bf16_out ? nullptr : out.data_ptr<float>();
