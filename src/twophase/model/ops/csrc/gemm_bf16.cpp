@@ -71,10 +71,11 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, b
   std::vector<int64_t> starts(blocks + 1);
   for (int64_t b = 0; b <= blocks; ++b) starts[b] = b * M / blocks;
   // x's rows as bfloat16 k pairs, block by block: block b's at xp[starts[b] * pairs], pair-major
-  // (over the threads from ~64K values on: 2,048 x 576 took 0.7 ms on one Zen 4 core; a decode step's 32 rows stay on
+  // (over the threads from 256K values on: 2,048 x 576 took 0.7 ms on one Zen 4 core; a decode step's rows stay on
   // the calling thread, as a parallel region costs more than they do)
   std::vector<int32_t> xp(M * pairs);
-  at::parallel_for(0, blocks, std::max<int64_t>(1, 65536 / (kDotMaxRows * K)), [&](int64_t b0, int64_t b1) {
+  const int64_t grain = M * K >= (int64_t{1} << 18) ? 1 : blocks;  // parallel_for runs a range under grain inline
+  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
     std::vector<uint16_t> row(K);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r0 = starts[b], rows = starts[b + 1] - r0;
