@@ -255,8 +255,8 @@ def hidden_of_rows(llm: LLM, prompts: list[list[int]], counts: list[int]) -> tup
     model = runner.model
     with torch.inference_mode():
         every = model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta)  # [T, hidden]
-        chosen = model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta, batch.sample_token_indices,
-                       batch.sample_query_start_loc)  # [N, hidden]
+        chosen = model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta,
+                       batch.sample_token_indices)  # [N, hidden]
     return every[batch.sample_token_indices], chosen
 
 
@@ -267,7 +267,8 @@ def test_decoder_stack_runs_the_last_layer_on_the_sampled_rows_alone(tiny_llama_
     forward's bit for bit (the kernels' arithmetic of a row does not depend on the others); under bfloat16 GEMMs
     those rows take the small-batch GEMM instead of the wide one, whose sums round to bfloat16 (2^-9 relative) in
     another order, in each of the last layer's three GEMMs and its SiLU-and-mul: four roundings of up to 2^-8, so
-    within 2^-6 of the largest value. A step that samples nothing gets no rows."""
+    within 2^-6 of the largest value. A step that samples nothing gets no rows; rows that are not each request's
+    last ones are refused."""
     prompts = [[(7 * i) % 60 + 2 for i in range(50)], [(3 * i) % 50 + 1 for i in range(37)], [5] * 20]
     llm = make_llm(tiny_llama_dir, dtype="float32", **({"gemm_dtype": gemm_dtype} if gemm_dtype else {}))
     expected, chosen = hidden_of_rows(llm, prompts, [3, 0, 1])
@@ -279,6 +280,13 @@ def test_decoder_stack_runs_the_last_layer_on_the_sampled_rows_alone(tiny_llama_
         torch.testing.assert_close(chosen, expected, rtol=0, atol=2**-6 * expected.abs().max().item())
     none_expected, none = hidden_of_rows(llm, prompts, [0, 0, 0])
     assert none.shape == none_expected.shape == (0, expected.shape[1])
+    runner = llm.engine.model_runner
+    from twophase.engine.input_batch import build_input_batch
+
+    batch = build_input_batch(SchedulerOutput(0, [ScheduledRequest("x", prompts[2], 0, [0, 1, 2, 3, 4], sample=True,
+                                                                   is_prompt=True)]), runner.block_size, runner.device)
+    with pytest.raises(RuntimeError, match="each request's last rows"), torch.inference_mode():
+        runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta, torch.tensor([0]))  # a first row
 
 
 @pytest.mark.parametrize("amx", [False, True])
@@ -532,7 +540,8 @@ def test_dot_weight_takes_the_rows_below_the_prepacked_limit(kernels):
     """``use_gemm_weights(..., dot_products=True)`` (a CPU with AVX512-BF16 and no AMX): from the threshold
     (``DOT_MIN_ROWS`` by default) to PREPACKED_MAX_ROWS rows the projection gives the dot-product kernel's bits
     (``bf16_gemm``, widened, then the bias), from there on torch's GEMM on the bfloat16 weight (a wide weight: the
-    dot products still), below the threshold the panels; no oneDNN copy is kept. A build without the kernel keeps oneDNN's, from ``GEMM_MIN_ROWS``."""
+    dot products still), below the threshold the panels; no oneDNN copy is kept. A build without the kernel keeps
+    oneDNN's, from ``GEMM_MIN_ROWS``."""
     from twophase.model.ops.gemm import DOT_MIN_ROWS, GEMM_MIN_ROWS, PREPACKED_MAX_ROWS, use_gemm_weights
 
     torch.manual_seed(4)

@@ -25,7 +25,7 @@ def run_command(runner, kind: str, scheduler_output: SchedulerOutput) -> None:
         runner.model.compute_logits(runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta))
         return
     hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta,
-                          batch.sample_token_indices, batch.sample_query_start_loc)  # [num_logits, hidden]
+                          batch.sample_token_indices)  # [num_logits, hidden]
     if batch.sample_request_ids:
         runner.model.compute_logits(hidden)
 

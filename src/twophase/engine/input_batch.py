@@ -19,7 +19,6 @@ class InputBatch:
     positions: torch.Tensor  # [T] int64
     meta: AttentionMetadata
     sample_token_indices: torch.Tensor  # [num_logits] rows of the hidden states to turn into logits
-    sample_query_start_loc: torch.Tensor  # [R + 1] int32: where each request's sampled rows start among them
     sample_request_ids: list[str]  # the request of each sampled row
     sample_counts: list[int]  # logits rows of each sampled request: 1, or 1 + proposals (speculative decoding)
 
@@ -53,8 +52,6 @@ def build_input_batch(scheduler_output: SchedulerOutput, block_size: int, device
     )
     sample_rows = [i for i, s in enumerate(scheduled) if s.sample]
     sample_counts = [len(scheduled[i].spec_token_ids) + 1 for i in sample_rows]
-    counts_of = dict(zip(sample_rows, sample_counts))
-    sample_query_start_loc = [0, *itertools.accumulate(counts_of.get(i, 0) for i in range(len(scheduled)))]
     sample_token_indices = torch.tensor(
         [t for i, c in zip(sample_rows, sample_counts) for t in range(query_start_loc[i + 1] - c, query_start_loc[i + 1])],
         dtype=torch.long,
@@ -64,7 +61,6 @@ def build_input_batch(scheduler_output: SchedulerOutput, block_size: int, device
         positions=torch.tensor(positions, dtype=torch.long).to(device),  # [T]
         meta=meta,
         sample_token_indices=sample_token_indices.to(device),
-        sample_query_start_loc=torch.tensor(sample_query_start_loc, dtype=torch.int32).to(device),
         sample_request_ids=[scheduled[i].request_id for i in sample_rows],
         sample_counts=sample_counts,
     )

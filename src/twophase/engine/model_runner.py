@@ -268,7 +268,7 @@ class ModelRunner:
         run the same forward. Neither samples nor touches request states (the phase benchmark times this)."""
         with self._distributed("execute", scheduler_output):
             hidden = self.model(batch.input_ids, batch.positions, self.kv_caches, batch.meta,
-                                batch.sample_token_indices, batch.sample_query_start_loc)  # [num_logits, hidden]
+                                batch.sample_token_indices)  # [num_logits, hidden]
             if not batch.sample_request_ids:
                 return None
             return self.model.compute_logits(hidden)

@@ -104,8 +104,7 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # [T]
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],  # per layer: ([slots, KVH, D], [slots, KVH, D])
         meta: AttentionMetadata,
-        output_rows: torch.Tensor | None = None,  # [N] int64: the rows wanted (each request's a suffix of its queries)
-        output_query_start_loc: torch.Tensor | None = None,  # [R + 1] int32: where each request's wanted rows start
+        output_rows: torch.Tensor | None = None,  # [N] int64: the rows wanted, each request's last ones, in order
     ) -> torch.Tensor:  # [T, hidden], or [N, hidden] with output_rows
         """Hidden states of every token of the flat batch, or of ``output_rows`` alone. Every row's K / V is
         written either way; with ``output_rows`` the C++ stack runs the last layer past its K / V (attention,
@@ -117,7 +116,7 @@ class LlamaForCausalLM(nn.Module):
         if self._stack_applies(residual, ops, kv_caches):  # every layer in one C++ call, the same kernels
             return self.stack.forward(residual, positions.to(torch.long).contiguous(), meta.slot_mapping,
                                       meta.block_tables, meta.seq_lens, meta.query_start_loc, meta.block_size,
-                                      output_rows, None if output_rows is None else output_query_start_loc)
+                                      output_rows)
         rope = self._rope(positions, residual, ops)  # once for all layers
         first = self.layers[0].input_layernorm
         h = ops.rms_norm(residual, first.weight, first.eps)  # [T, hidden]

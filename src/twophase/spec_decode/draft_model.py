@@ -100,7 +100,7 @@ class DraftModelProposer:
         runner = self.runner
         batch = build_input_batch(SchedulerOutput(step_id=0, scheduled=scheduled), runner.block_size, runner.device)
         hidden = runner.model(batch.input_ids, batch.positions, runner.kv_caches, batch.meta,
-                              batch.sample_token_indices, batch.sample_query_start_loc)  # [R, hidden]
+                              batch.sample_token_indices)  # [R, hidden]
         logits = runner.model.compute_logits(hidden)  # [R, vocab]
         return dict(zip(batch.sample_request_ids, logits.argmax(dim=-1).tolist()))
 

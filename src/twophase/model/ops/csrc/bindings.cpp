@@ -79,6 +79,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_dot_attention", &tp::DecoderStack::set_dot_attention, py::arg("min_queries"))
       .def("forward", &tp::DecoderStack::forward, py::arg("residual"), py::arg("positions"), py::arg("slots"),
            py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("block_size"),
-           py::arg("out_rows") = py::none(), py::arg("out_query_start_loc") = py::none(),
+           py::arg("out_rows") = py::none(),
            py::call_guard<py::gil_scoped_release>());
 }

@@ -6,6 +6,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/core/stack.h>
+#include <tuple>
 
 namespace tp {
 
@@ -117,19 +118,44 @@ at::Tensor DecoderStack::mlp(const StackLayer& layer, const at::Tensor& h) const
   return layer.down(tp::silu_and_mul(layer.gate_up(h)));
 }
 
+namespace {
+// rows [N] of a batch whose requests' queries start at qsl [R + 1], each request's rows a suffix of its queries in
+// order (its last row, or its last 1 + proposals) -> (rows as int64, their query starts per request [R + 1] int32).
+std::tuple<at::Tensor, at::Tensor> suffix_rows(const at::Tensor& rows_in, const at::Tensor& qsl_in) {
+  const at::Tensor rows = rows_in.to(at::kLong).contiguous(), qsl = qsl_in.to(at::kInt).contiguous();
+  TORCH_CHECK(rows.dim() == 1 && qsl.dim() == 1, "DecoderStack: out_rows must be [N], query_start_loc [R + 1]");
+  const int64_t N = rows.size(0), R = qsl.size(0) - 1;
+  const int64_t* row = rows.data_ptr<int64_t>();
+  const int32_t* q = qsl.data_ptr<int32_t>();
+  at::Tensor starts = at::empty({R + 1}, qsl.options());
+  int32_t* start = starts.data_ptr<int32_t>();
+  int64_t j = 0;
+  start[0] = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    int64_t count = 0;
+    while (j + count < N && row[j + count] < q[r + 1]) ++count;
+    for (int64_t k = 0; k < count; ++k)
+      TORCH_CHECK(row[j + k] == q[r + 1] - count + k, "DecoderStack: out_rows must be each request's last rows, in order");
+    j += count;
+    start[r + 1] = static_cast<int32_t>(j);
+  }
+  TORCH_CHECK(j == N, "DecoderStack: out_rows outside the batch");
+  return {rows, starts};
+}
+}  // namespace
+
 at::Tensor DecoderStack::forward(at::Tensor residual, const at::Tensor& positions, const at::Tensor& slots,
                                  const at::Tensor& block_tables, const at::Tensor& seq_lens,
                                  const at::Tensor& query_start_loc, int64_t block_size,
-                                 const c10::optional<at::Tensor>& out_rows,
-                                 const c10::optional<at::Tensor>& out_query_start_loc) {
+                                 const c10::optional<at::Tensor>& out_rows) {
   TORCH_CHECK(k_caches_.size() == layers_.size(), "DecoderStack: set_kv_caches first");
   TORCH_CHECK(residual.dim() == 2 && residual.is_contiguous() && residual.scalar_type() == at::kFloat,
               "DecoderStack: residual must be a contiguous float32 [T, hidden] tensor");
-  const bool select = out_rows.has_value() && out_rows->defined();
-  TORCH_CHECK(!select || (out_rows->dim() == 1 && out_query_start_loc.has_value() &&
-                          out_query_start_loc->sizes() == query_start_loc.sizes()),
-              "DecoderStack: out_rows [N] needs out_query_start_loc shaped like query_start_loc");
   const int64_t T = residual.size(0), q_size = heads_ * head_dim_;
+  // the last layer's rows and their query starts; none to select where every row is asked for (a decode step)
+  at::Tensor rows, last_qsl;
+  if (out_rows.has_value() && out_rows->defined() && out_rows->size(0) < T)
+    std::tie(rows, last_qsl) = suffix_rows(*out_rows, query_start_loc);
   const double scale = 1.0 / std::sqrt(static_cast<double>(head_dim_));
   at::Tensor h = tp::rms_norm(residual, layers_[0].input_norm, eps_);  // [T, hidden]
   for (size_t i = 0; i < layers_.size(); ++i) {
@@ -139,12 +165,11 @@ at::Tensor DecoderStack::forward(at::Tensor residual, const at::Tensor& position
     // q [T, H, D]: the rotated query part of qkv, read in place (a copy was a serial pass over fresh pages)
     at::Tensor q = qkv.narrow(1, 0, q_size).view({T, heads_, head_dim_});
     const at::Tensor* qsl = &query_start_loc;
-    if (select && i + 1 == layers_.size()) {  // the last layer past its K / V: the rows asked for alone
-      const at::Tensor rows = out_rows->to(at::kLong);
+    if (rows.defined() && i + 1 == layers_.size()) {  // the last layer past its K / V: the rows asked for alone
       if (rows.size(0) == 0) return at::empty({0, residual.size(1)}, residual.options());
       q = q.index_select(0, rows);  // [N, H, D]
       residual = residual.index_select(0, rows);  // [N, hidden]
-      qsl = &*out_query_start_loc;
+      qsl = &last_qsl;
     }
     const int64_t rows_now = q.size(0);
     at::Tensor attn = at::empty({rows_now, heads_, head_dim_}, qkv.options());

@@ -63,13 +63,12 @@ class DecoderStack {
   // Requests with at least min_queries queries attend on bfloat16 dot products (paged_attention's dot_min_queries).
   void set_dot_attention(int64_t min_queries) { dot_min_queries_ = min_queries; }
   // residual [T, hidden] fp32 (the embeddings; updated in place) -> the final norm of the last residual [T, hidden].
-  // With out_rows [N] (int64 rows of the batch, each request's a suffix of its queries; out_query_start_loc [R + 1]
-  // their starts per request): only those rows' final norm [N, hidden]; the last layer writes every row's K / V and
-  // runs the rest (attention, projections, MLP) on those rows alone.
+  // With out_rows [N] (rows of the batch, each request's a suffix of its queries, in order): only those rows' final
+  // norm [N, hidden]; the last layer writes every row's K / V and runs the rest (attention, projections, MLP) on
+  // those rows alone.
   at::Tensor forward(at::Tensor residual, const at::Tensor& positions, const at::Tensor& slots,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     int64_t block_size, const c10::optional<at::Tensor>& out_rows,
-                     const c10::optional<at::Tensor>& out_query_start_loc);
+                     int64_t block_size, const c10::optional<at::Tensor>& out_rows);
 
  private:
   at::Tensor mlp(const StackLayer& layer, const at::Tensor& h) const;  // [T, hidden] -> [T, hidden]
