@@ -27,6 +27,9 @@ Stages (each saves its JSON under ``--out``; ``results.md`` sums them up):
    shows each figure's measured min..max and flags (†) the figures whose runs spread beyond the tolerance around
    their median, where machine noise alone exceeds it. The default, 1, keeps the run time; the issue's accuracy
    claim should use 3 (one measured run on a shared 2-core machine varies by 12-52% in TPOT between repeats).
+   ``--resimulate DIR --steptime FILE`` compares a saved accuracy stage's measured runs (DIR: its ``--out``)
+   with new simulations under another step-time model or drift setting, serving nothing: a change to the
+   model is judged on the same measured runs, free of the host's drift between benchmark runs.
    Goodput SLOs per workload: TTFT 5x and TPOT 3x the step-time model's unloaded figures (one request alone: its
    prefill steps; one decode step plus the gap) — loose at 30% load, binding near capacity, so goodput is neither
    trivially all nor nothing.
@@ -72,6 +75,7 @@ accuracy points ~13 min; ``--quick`` ~15 min; ``--smoke`` ~3 min)::
     python benchmarks/bench_sim.py --only accuracy --workloads mixed --loads 0.6 --steptime runs/bench-sim/steptime.json
     python benchmarks/bench_sim.py --measured-repeats 3 --out runs/bench-sim   # the accuracy claim (~30 min more)
     python benchmarks/bench_sim.py --smoke                                    # tiny random model: the wiring
+    python benchmarks/bench_sim.py --resimulate runs/bench-sim --steptime M.json --out runs/resim  # no serving
 """
 
 from __future__ import annotations
@@ -82,6 +86,8 @@ import dataclasses
 import json
 import logging
 import math
+import shlex
+import shutil
 import statistics
 import subprocess
 import sys
@@ -179,12 +185,13 @@ class Profile:
     measured_repeats: int = 1  # measured runs per accuracy point, compared by their per-figure median
     probe_prompts: int = 8  # accuracy: a burst of this many requests warms each server; 0: none
     rescale: bool = True  # accuracy: also simulate each run with the model rescaled on earlier runs (drift)
-    drift_window: str = "server"  # rescale on all earlier runs of the server ("server") or the one before ("previous")
+    drift_window: str = "server"  # rescale on the server's earlier runs, the one before ("previous") or itself ("own")
     # the rescale is drift ** drift_weight: shrunk halfway toward 1. On three accuracy runs (sessions 27-28, 36
     # points), drift ** 0.5 predicted each point's own actual / predicted step time with a mean |log error| of 5.6%,
     # the whole drift 6.8%, none 6.6%; figures within tolerance 82 / 75 / 81 of 120 against 65 / 68 / 80 (whole
     # drift) and 87 / 73 / 64 (none). Chosen on those runs, not tested on others.
     drift_weight: float = 0.5
+    sim_args: list[str] = field(default_factory=list)  # accuracy: more `twophase sim` flags for every point
 
     def engine_flags(self, **overrides: Any) -> list[str]:
         """The engine flags serve and sim share (``budget`` / ``max_num_seqs`` overridable)."""
@@ -252,6 +259,7 @@ def make_profile(args: argparse.Namespace) -> Profile:
     from twophase.sim.calibrate import check_drift_weight
 
     profile.drift_weight = check_drift_weight(args.drift_weight)  # before the runs, not at the first rescale
+    profile.sim_args = shlex.split(args.sim_args)
     profile.auto.itl_ms, profile.auto.ttft_ms = args.auto_itl_ms, args.auto_ttft_ms
     profile.auto.itl_slack = args.itl_slack
     return profile
@@ -665,7 +673,7 @@ def accuracy_point(profile: Profile, steptime: Path, point: AccuracyPoint, runs:
                    out: Path) -> dict[str, Any]:
     """Simulate the point and compare it with the median of its measured runs (and their spread). With
     ``profile.rescale`` the headline ``rows`` compare the median of one simulation per measured run, each with the
-    model rescaled by the drift of earlier runs on that run's server (``drift_window``; never the run predicted),
+    model rescaled by the drift of earlier runs on that run's server (``drift_window``; "own": the run itself),
     and ``rows_as_calibrated`` keep the comparison with the model as fitted."""
     stem, walls = point.stem, runs.walls[point.stem]
     simulated = simulate_point(profile, steptime, point, out / f"{stem}-sim.json", [])
@@ -681,6 +689,7 @@ def accuracy_point(profile: Profile, steptime: Path, point: AccuracyPoint, runs:
                                     str(profile.drift_weight)]) for r, source in enumerate(sources)]
         scales = [float(r.get("step_time_scale", 1.0)) for r in rescaled]
         rows = compare(median_result(measured), median_result(rescaled), measured)
+    own = [own_drift(steptime, out / f"{stem}-records{repeat_suffix(r)}.json") for r in range(len(walls))]
     noisy = sum(r["noise_exceeds_tolerance"] for r in rows)
     drift = (f" (rescaled x{min(scales):.3f}..x{max(scales):.3f}; as calibrated "
              f"{sum(r['pass'] for r in as_calibrated)})") if scales else ""
@@ -690,7 +699,7 @@ def accuracy_point(profile: Profile, steptime: Path, point: AccuracyPoint, runs:
           f"{'; REQUEST LISTS DIFFER' if mismatches else ''}", flush=True)  # fmt: skip
     return {"workload": point.workload.name, "load": point.load, "rate": point.rate, "num_prompts": point.num_prompts,
             "seed": point.seed, "slos": point.slos, "rows": rows, "rows_as_calibrated": as_calibrated,
-            "drift_scales": scales, "drift_window": profile.drift_window if scales else None,
+            "drift_scales": scales, "own_drifts": own, "drift_window": profile.drift_window if scales else None,
             "drift_weight": profile.drift_weight if scales else None,
             "request_list_mismatches": mismatches, "measured_failed": max(r["failed"] for r in measured),
             "steps_out_of_range": simulated.get("steps_out_of_calibrated_range", 0),
@@ -698,11 +707,23 @@ def accuracy_point(profile: Profile, steptime: Path, point: AccuracyPoint, runs:
             "measured_failed_runs": [r["failed"] for r in measured], "wall_s_runs": walls}  # fmt: skip
 
 
+def own_drift(steptime: Path, records: Path) -> float | None:
+    """A measured run's own drift: Σ actual ÷ Σ predicted step time over its recorded steps, by the model as
+    calibrated (what a rescale would have had to guess from earlier runs); None without its records."""
+    from twophase.sim.calibrate import records_from_dumps
+    from twophase.steptime.model import drift_scale
+
+    if not records.exists():
+        return None
+    features, durations, _ = records_from_dumps([str(records)])
+    return drift_scale(load_model(steptime), features, durations)
+
+
 def simulate_point(profile: Profile, steptime: Path, point: AccuracyPoint, path: Path,
                    extra: list[str]) -> dict[str, Any]:
     """``twophase sim`` of the point (``extra``: more sim flags); its result JSON."""
-    run_cli([*sim_argv(profile, steptime, profile.engine_flags(), point.flags, point.slos, path), *extra],
-            out_log(path))
+    run_cli([*sim_argv(profile, steptime, profile.engine_flags(), point.flags, point.slos, path), *extra,
+             *profile.sim_args], out_log(path))  # fmt: skip
     return json.loads(path.read_text())
 
 
@@ -740,6 +761,14 @@ def save_records(server: Proc, path: Path, last_step: int) -> tuple[Path, int]:
     return path, last
 
 
+def drift_window(profile: Profile, earlier: list[Path], own: Path) -> list[Path]:
+    """The records a run's prediction is rescaled on: all ``earlier`` runs of its server, the last of them
+    ("previous"), or the run's ``own`` ("own": the best any estimate from records could do, not a prediction)."""
+    if profile.drift_window == "own":
+        return [own]
+    return earlier[-1:] if profile.drift_window == "previous" else list(earlier)
+
+
 def measure_workload(profile: Profile, steptime: Path, workload: Workload, seed: int, slos: dict[str, float],
                      out: Path, capacities: dict[str, float]) -> tuple[list[AccuracyPoint], MeasuredRuns]:
     """Every load of ``workload``, ``profile.measured_repeats`` times: each repeat runs a warm-up probe, then every
@@ -762,10 +791,9 @@ def measure_workload(profile: Profile, steptime: Path, workload: Workload, seed:
             recorded = [probe] if probe else []  # this server's runs so far, oldest first
             for point in points:
                 runs.walls.setdefault(point.stem, []).append(measure_point(profile, server, point, repeat, out))
-                window = recorded[-1:] if profile.drift_window == "previous" else list(recorded)
-                runs.drift_sources.setdefault(point.stem, []).append(window)
                 path, last_step = save_records(server, out / f"{point.stem}-records{repeat_suffix(repeat)}.json",
                                                last_step)  # fmt: skip
+                runs.drift_sources.setdefault(point.stem, []).append(drift_window(profile, recorded, path))
                 recorded.append(path)
         finally:
             server.stop()
@@ -788,6 +816,35 @@ def run_accuracy(profile: Profile, steptime: Path, out: Path) -> dict[str, Any]:
         points += [accuracy_point(profile, steptime, p, runs, out) for p in planned]
     return {"capacities": capacities, "capacity_source": profile.capacity, "rescaled": profile.rescale,
             "measured_repeats": profile.measured_repeats, "points": points}  # fmt: skip
+
+
+def resimulate_accuracy(profile: Profile, steptime: Path, source: Path, out: Path) -> dict[str, Any]:
+    """The accuracy stage of an earlier run (``source``: its ``--out``) simulated again with ``steptime`` and
+    compared with the same measured runs; nothing is measured. The measured results and server records are copied
+    into ``out``, and each run's drift sources are rebuilt as that run had them (its server's probe, then the
+    points before it in load order)."""
+    saved = json.loads((source / "results.json").read_text())["accuracy"]
+    out = out / "accuracy"
+    out.mkdir(parents=True, exist_ok=True)
+    for path in (source / "accuracy").glob("*.json"):
+        if "-sim" not in path.stem:
+            shutil.copy(path, out / path.name)
+    workloads = {w.name: w for w in profile.workloads}
+    profile.measured_repeats = int(saved["measured_repeats"])
+    planned = [AccuracyPoint(workloads[p["workload"]], p["load"], p["rate"], p["seed"], p["slos"], p["num_prompts"],
+                             list(p["request_list_mismatches"])) for p in saved["points"]]  # fmt: skip
+    runs = MeasuredRuns({p.stem: list(s["wall_s_runs"]) for p, s in zip(planned, saved["points"])})
+    for repeat in range(profile.measured_repeats):
+        for name in dict.fromkeys(p.workload.name for p in planned):
+            probe = out / f"{name}-probe{repeat_suffix(repeat)}-records.json"
+            recorded = [probe] if probe.exists() else []
+            for point in (p for p in planned if p.workload.name == name):
+                path = out / f"{point.stem}-records{repeat_suffix(repeat)}.json"
+                runs.drift_sources.setdefault(point.stem, []).append(drift_window(profile, recorded, path))
+                recorded.append(path)
+    return {"capacities": saved["capacities"], "capacity_source": saved["capacity_source"],
+            "rescaled": profile.rescale, "measured_repeats": profile.measured_repeats, "resimulated_from": source.name,
+            "points": [accuracy_point(profile, steptime, p, runs, out) for p in planned]}  # fmt: skip
 
 
 # ---------------------------------------------------------------- stage 3: sweep
@@ -997,7 +1054,7 @@ def accuracy_markdown(acc: dict[str, Any]) -> list[str]:
     repeats = acc.get("measured_repeats", 1)
     names = [r["figure"] for r in acc["points"][0]["rows"]] if acc["points"] else []
     matrix = [[p["workload"], f"{round(100 * p['load'])}%", p["rate"], p["num_prompts"], drift_cell(p),
-               *[matrix_cell(r, repeats) for r in p["rows"]]] for p in acc["points"]]  # fmt: skip
+               own_drift_cell(p), *[matrix_cell(r, repeats) for r in p["rows"]]] for p in acc["points"]]  # fmt: skip
     passed = sum(r["pass"] for p in acc["points"] for r in p["rows"])
     total = sum(len(p["rows"]) for p in acc["points"])
     lines = ["## Simulator vs measured", "",
@@ -1005,7 +1062,9 @@ def accuracy_markdown(acc: dict[str, Any]) -> list[str]:
                  f"{k} {v:.3g}" for k, v in acc["capacities"].items()),
              f"Relative error (sim - measured) / measured; * = outside tolerance (p50/p90 15%, p99 25%, goodput "
              f"15%). {passed}/{total} figures within tolerance.", *drift_lines(acc), *noise_lines(acc, repeats), "",
-             table(["workload", "load", "req/s", "prompts", "drift", *names], matrix), ""]  # fmt: skip
+             "Own drift: each measured run's actual / predicted step time by the model as calibrated (what the "
+             "drift column estimates from earlier runs).", "",
+             table(["workload", "load", "req/s", "prompts", "drift", "own drift", *names], matrix), ""]  # fmt: skip
     lines += identity_lines(acc)
     for p in acc["points"]:
         lines += [f"### {p['workload']} at {round(100 * p['load'])}% ({p['rate']} req/s, {p['num_prompts']} prompts,"
@@ -1019,14 +1078,20 @@ def drift_cell(point: dict[str, Any]) -> str:
     return "" if not scales else " ".join(f"x{v:.2f}" for v in scales)
 
 
+def own_drift_cell(point: dict[str, Any]) -> str:
+    """The measured runs' own drifts (blank: records not saved)."""
+    return " ".join(f"x{v:.2f}" for v in point.get("own_drifts") or [] if v is not None)
+
+
 def drift_lines(acc: dict[str, Any]) -> list[str]:
     """When the headline is rescaled: how, and the count with the model as calibrated."""
     points = [p for p in acc["points"] if p.get("drift_scales")]
     if not points:
         return []
     plain = sum(r["pass"] for p in acc["points"] for r in p.get("rows_as_calibrated", p["rows"]))
-    window = ("all earlier runs on the same server (its warm-up probe, then the points before)"
-              if points[0].get("drift_window") == "server" else "the run just before it on the same server")
+    window = {"server": "all earlier runs on the same server (its warm-up probe, then the points before)",
+              "previous": "the run just before it on the same server",
+              "own": "the run itself (not a prediction: the best a drift estimate could do)"}[points[0]["drift_window"]]
     weight = points[0].get("drift_weight") or 1.0
     scaled = "the drift" if weight == 1.0 else f"the drift to the power {weight:g}"
     return [f"Simulated = the median of one simulation per measured run, its step times scaled by {scaled} (actual "
@@ -1166,6 +1231,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="fit on a loaded server's records and bench serve's results (default), or on the engine "
                    "alone over a grid of step mixes")  # fmt: skip
     p.add_argument("--only", choices=["accuracy", "sweep", "auto"], default=None)
+    p.add_argument("--sim-args", default="", metavar="FLAGS",
+                   help='accuracy: more `twophase sim` flags for every point, e.g. "--noise"')
+    p.add_argument("--resimulate", default=None, metavar="DIR",
+                   help="accuracy: simulate an earlier run's points (DIR: its --out) again with --steptime and compare "
+                        "with its measured runs; measures nothing")
     p.add_argument("--capacity", choices=["sim", "measured"], default="sim",
                    help="capacity from the simulator at an unbounded rate, or a measured saturated run")
     p.add_argument("--workloads", default=None, help="accuracy: a subset, e.g. decode-heavy,mixed")
@@ -1177,8 +1247,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-rescale", action="store_true",
                    help="accuracy: only the model as calibrated (default: each run predicted with the model "
                    "rescaled by the drift of earlier runs on its server, the model as calibrated alongside)")
-    p.add_argument("--drift-window", choices=["server", "previous"], default="server",
-                   help="accuracy: rescale each run on all earlier runs of its server (default) or the one before it")
+    p.add_argument("--drift-window", choices=["server", "previous", "own"], default="server",
+                   help="accuracy: rescale each run on all earlier runs of its server (default), the one before it, "
+                        "or its own steps (a ceiling for any drift estimate, not a prediction)")
     p.add_argument("--drift-weight", type=float, default=0.5, metavar="W",
                    help="accuracy: rescale by drift ** W (default 0.5: halfway, see Profile.drift_weight; 1: the whole "
                    "drift)")
@@ -1197,7 +1268,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="fewer, shorter points (loads 30/85%%, 1 auto run)")
     p.add_argument("--smoke", action="store_true", help="tiny random model, tiny sizes: checks the wiring")
     p.add_argument("--out", default="runs/bench-sim")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.resimulate:
+        if not args.steptime or args.only not in (None, "accuracy"):
+            p.error("--resimulate takes --steptime FILE and runs the accuracy stage alone")
+        args.only = "accuracy"
+    return args
 
 
 def stages(only: str | None) -> Iterator[str]:
@@ -1226,7 +1302,9 @@ def main(argv: list[str] | None = None) -> int:
     capacities: dict[str, float] = {}
     for stage in stages(args.only):
         stage_start = time.monotonic()
-        if stage == "accuracy":
+        if stage == "accuracy" and args.resimulate:
+            results["accuracy"] = resimulate_accuracy(profile, steptime, Path(args.resimulate), out)
+        elif stage == "accuracy":
             results["accuracy"] = run_accuracy(profile, steptime, out)
             capacities = dict(results["accuracy"]["capacities"])
         elif stage == "sweep":

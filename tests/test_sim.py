@@ -182,6 +182,22 @@ def test_fit_recovers_known_coefficients_under_5_percent_noise(tmp_path):
     assert loaded.residual_prefill == [f.prefill_tokens > 0 for f in features]
 
 
+def test_fit_level_matches_the_sum_of_step_times_under_skewed_noise():
+    """Steps spread around the truth by lognormal noise of mean 1 (σ 0.3 in log): a fit on relative error alone would
+    predict ~16% low (its scale E[1/n] / E[1/n²] = exp(-0.18)); the fitted steps' predicted seconds sum to their
+    measured seconds, and so to the truth's within 3%."""
+    truth = known_model()
+    rng = np.random.default_rng(5)
+    features = [StepFeatures(int(p), int(p > 0), chunk_attention_pairs(int(p), 0), int(d), int(d) * 500, int(d) + 1)
+                for p, d in zip(rng.integers(0, 512, 3000), rng.integers(1, 48, 3000))]  # fmt: skip
+    noise = np.exp(rng.normal(-0.045, 0.3, len(features)))  # [m], mean 1
+    durations = [truth.predict(f) * n for f, n in zip(features, noise)]
+    model = fit_step_time_model(features, durations)
+    predicted = sum(model.predict(f) for f in features)
+    assert abs(predicted / sum(durations) - 1) < 1e-6
+    assert abs(predicted / sum(truth.predict(f) for f in features) - 1) < 0.03
+
+
 def test_fit_finds_the_row_count_where_step_time_drops(tmp_path):
     """An engine whose kernels switch at 8 rows: decode steps of 1-7 rows cost 5 ms + 3 ms a row, from 8 rows on
     9 ms + 1 ms a row (7 rows 26 ms, 8 rows 17 ms), 5% noise. The fit keeps a second regime from 8 rows, recovers
