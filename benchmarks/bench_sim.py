@@ -35,7 +35,8 @@ Stages (each saves its JSON under ``--out``; ``results.md`` sums them up):
    trivially all nor nothing.
 3. **sweep** — ``twophase sim --sweep budget=... max-num-seqs=... rate=...`` on the mixed workload at 40% and 55%
    of its capacity (one request list, sent at either rate) picks the configuration with the most goodput at >= 90%
-   attainment (``--sweep-margin F``: also with every step F longer); every configuration is then measured; the
+   attainment (``--sweep-margin F``: also with every step F longer); every configuration is then measured
+   (``--sweep-repeats N``: N times, the configurations interleaved, compared by the medians); the
    pick passes when its measured goodput is within 5% of the best measured one (the issue's check), and the
    stricter check when it also reaches 90% attainment measured and is within 5% of the best measured configuration
    that does. The loads straddle the goodput cliff of the workload's SLOs: at 30% every
@@ -178,6 +179,7 @@ class Profile:
     sweep_workload: str = "mixed"
     sweep_loads: tuple[float, ...] = (0.4, 0.55)  # fractions of the workload's capacity: the sweep's rate axis
     sweep_margin: float = 0.0  # > 0: the pick must also reach the attainment floor with every step this much longer
+    sweep_repeats: int = 1  # measured runs per sweep configuration (interleaved), compared by their medians
     seed: int = 0
     auto: AutoTest = field(default_factory=AutoTest)
     workloads: list[Workload] = field(default_factory=list)
@@ -251,6 +253,9 @@ def make_profile(args: argparse.Namespace) -> Profile:
     if args.sweep_load:
         profile.sweep_loads = tuple(float(v) for v in args.sweep_load.split(","))
     profile.sweep_margin = args.sweep_margin
+    if args.sweep_repeats < 1:
+        raise ValueError(f"--sweep-repeats must be at least 1, got {args.sweep_repeats}")
+    profile.sweep_repeats = args.sweep_repeats
     if args.measured_repeats < 1:
         raise ValueError(f"--measured-repeats must be at least 1, got {args.measured_repeats}")
     profile.measured_repeats = args.measured_repeats
@@ -877,8 +882,9 @@ def run_sweep(profile: Profile, steptime: Path, out: Path, capacities: dict[str,
     run_cli([*sim_argv(profile, steptime, profile.engine_flags(), flags_at(rates[0]), slos, out / "sim-sweep.json"),
              "--sweep", *sweep, *margin], out.parent / "logs" / "sim-sweep.log")  # fmt: skip
     simulated = json.loads((out / "sim-sweep.json").read_text())
-    points = [measure_config(profile, p, flags_at(p["config"].get("request_rate", rates[0])), slos, out)
-              for p in simulated["points"]]  # fmt: skip
+    runs = [[measure_config(profile, p, flags_at(p["config"].get("request_rate", rates[0])), slos, out, repeat)
+             for p in simulated["points"]] for repeat in range(profile.sweep_repeats)]  # repeats interleave configs
+    points = [median_config(list(measured)) for measured in zip(*runs)]
     return {"workload": workload.name, "rates": rates, "num_prompts": prompts, "slos": slos, "sweep": sweep,
             "margin": profile.sweep_margin, "points": points, "sim_pick": simulated["best"],
             **sweep_verdicts(points, simulated["best"])}
@@ -913,17 +919,29 @@ def goodput_ratio(chosen: dict[str, Any] | None, best: dict[str, Any] | None) ->
     return chosen["measured_goodput"] / best["measured_goodput"]
 
 
+def median_config(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One configuration's measured runs as one: goodput and attainment are the medians of the runs (each run's
+    goodput kept in ``measured_goodput_runs``); the other figures those of the median-goodput run."""
+    middle = sorted(runs, key=lambda r: r["measured_goodput"])[(len(runs) - 1) // 2]
+    attainment = {k: statistics.median(r["measured"]["slo_attainment"][k] for r in runs)
+                  for k in middle["measured"]["slo_attainment"]}  # fmt: skip
+    return {**middle, "measured_goodput": statistics.median(r["measured_goodput"] for r in runs),
+            "measured": {**middle["measured"], "slo_attainment": attainment},
+            "measured_goodput_runs": [r["measured_goodput"] for r in runs]}  # fmt: skip
+
+
 def measure_config(profile: Profile, sim_point: dict[str, Any], flags: list[str], slos: dict[str, float],
-                   out: Path) -> dict[str, Any]:
-    """One sweep configuration served and measured with the sweep's workload."""
+                   out: Path, repeat: int = 0) -> dict[str, Any]:
+    """One sweep configuration served and measured with the sweep's workload (``repeat``: which of its runs)."""
     overrides = sweep_overrides(sim_point["config"], profile)
     name = f"budget{overrides['budget']}-seqs{overrides['max_num_seqs']}"
     if "request_rate" in sim_point["config"]:
         name += f"-rate{sim_point['config']['request_rate']:g}"
     server = start_server(profile, out.parent / "logs" / f"serve-sweep-{name}.log", profile.engine_flags(**overrides))
     try:
-        path = out / f"{name}-measured.json"
-        run_cli(bench_serve_argv(server.url, profile, flags, slos, path), out.parent / "logs" / f"sweep-{name}.log")
+        path = out / f"{name}-measured{repeat_suffix(repeat)}.json"
+        run_cli(bench_serve_argv(server.url, profile, flags, slos, path),
+                out.parent / "logs" / f"sweep-{name}{repeat_suffix(repeat)}.log")  # fmt: skip
     finally:
         server.stop()
     measured = json.loads(path.read_text())
@@ -1140,10 +1158,17 @@ def identity_lines(acc: dict[str, Any]) -> list[str]:
                                        for p in bad], ""]  # fmt: skip
 
 
+def measured_goodput_cell(point: dict[str, Any]) -> str:
+    """A configuration's measured goodput: the median, and its runs when there were several."""
+    runs = point.get("measured_goodput_runs") or []
+    median = f"{point['measured_goodput']:.3g}"
+    return median if len(runs) < 2 else f"{median} ({', '.join(f'{g:.3g}' for g in runs)})"
+
+
 def sweep_markdown(sweep: dict[str, Any]) -> list[str]:
     """The measured and simulated goodput of every configuration and the verdict on the pick."""
     rows = [[p["name"], p["simulated_goodput"], p["simulated_attainment"], p.get("simulated_attainment_margin", "-"),
-             p["measured_goodput"], p["measured"]["slo_attainment"]["all"]] for p in sweep["points"]]  # fmt: skip
+             measured_goodput_cell(p), p["measured"]["slo_attainment"]["all"]] for p in sweep["points"]]  # fmt: skip
     rates = sweep.get("rates") or [sweep.get("rate")]
     margin = sweep.get("margin", 0.0)
     return ["## Sweep pick", "", f"Workload {sweep['workload']} at {', '.join(map(str, rates))} req/s "
@@ -1257,6 +1282,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="accuracy: warm-up burst per server before its first point (0: none)")
     p.add_argument("--sweep-load", default=None,
                    help="sweep: fractions of the workload's capacity, its rate axis (default 0.4,0.55)")
+    p.add_argument("--sweep-repeats", type=int, default=1, metavar="N",
+                   help="sweep: measure every configuration N times (interleaved) and compare the medians")
     p.add_argument("--sweep-margin", type=float, default=0.0, metavar="F",
                    help="sweep: the simulator's pick must keep its attainment with steps F longer (twophase sim "
                    "--sweep-margin; default 0)")  # fmt: skip
