@@ -182,8 +182,7 @@ def _level(x: np.ndarray, y: np.ndarray, coef: np.ndarray) -> np.ndarray:
     picks is E[1/n] / E[1/n²] of the truth's, below 1 by about the spread's square (served CPU calibrations: Σ
     actual ÷ Σ predicted 1.015-1.025 on their own steps). A simulated run's time is a sum of steps, so the level is
     set by the sum."""
-    predicted = np.maximum(x @ coef, MIN_STEP_S).sum()
-    return coef * (y.sum() / predicted) if predicted > 0 else coef
+    return coef * (y.sum() / np.maximum(x @ coef, MIN_STEP_S).sum())  # every step at least MIN_STEP_S: no 0 / 0
 
 
 def has_prompt_tokens(x: np.ndarray) -> np.ndarray:
