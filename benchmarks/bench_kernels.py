@@ -60,12 +60,13 @@ class PrepackedGemm:
 
     @staticmethod
     @functools.cache
-    def available() -> bool:
-        """Whether this torch build has oneDNN's reorder and it runs on this CPU."""
+    def available(dtype: torch.dtype = torch.float32) -> bool:
+        """Whether this torch build has oneDNN's reorder and it runs on this CPU for ``dtype`` (bfloat16 needs
+        AVX-512 or AVX-NE-CONVERT)."""
         if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_reorder_linear_weight"):
             return False
         try:
-            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8), PrepackedGemm.PACK_ROWS)
+            torch.ops.mkldnn._reorder_linear_weight(torch.zeros(8, 8, dtype=dtype), PrepackedGemm.PACK_ROWS)
         except RuntimeError:  # an op registered for a CPU it does not support
             return False
         return True
@@ -89,7 +90,7 @@ def linear_variants(kern, weights: list[torch.Tensor], ms: list[int]) -> dict[st
         gemms = {id(w): PrepackedGemm(w) for w in weights}
         v["prepacked fp32 (oneDNN)"] = ([(w,) for w in weights], lambda x, w: gemms[id(w)](x))
     bf16 = [w.bfloat16() for w in weights]
-    if PrepackedGemm.available():  # what the engine's bfloat16 GEMMs below 128 rows run on, with AMX
+    if PrepackedGemm.available(torch.bfloat16):  # what the engine's bfloat16 GEMMs below 128 rows run on, with AMX
         gemms16 = {id(w): PrepackedGemm(w) for w in bf16}
         v["prepacked bf16 (oneDNN)"] = ([(w,) for w in bf16], lambda x, w: gemms16[id(w)](x.bfloat16()).float())
     if kern is not None and kern.bf16_gemm_available():  # ... and without AMX (gemm.use_dot_weight)
