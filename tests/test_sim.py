@@ -324,3 +324,25 @@ def test_refused_request_fails_like_in_bench_serve():
         [SimRequest([1] * 10, 4), SimRequest([2] * 80, 4, 0.001), SimRequest([3] * 10, 4, 0.002)])
     assert [r.success for r in result.records] == [True, False, True]
     assert "context length" in result.requests[1].timeline.finish_reason
+
+
+class EverySecond:
+    """A predictor for which every step takes one second."""
+
+    def predict(self, features: StepFeatures) -> float:
+        return 1.0
+
+
+@pytest.mark.parametrize("concurrency", [None, 1])
+def test_a_request_sent_during_a_step_waits_for_it_from_its_send_time(concurrency):
+    # A's prompt step runs 0..1 s; B is sent at 0.25 s, inside it. The engine takes B at the next step (1..2 s), and
+    # B's client-side TTFT runs from its send, as bench serve measures it: 1.75 s, not the 1 s of a send at 1 s.
+    # With one request at a time, B is sent only when A has ended (at 2 s, its second token), and waits no step.
+    config = SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4, max_model_len=64)
+    sim = Simulator(config, 100, 16, EverySecond(), gap=0.0)
+    a, b = sim.run([SimRequest([1] * 10, 2), SimRequest([2] * 10, 2, 0.25)], max_concurrency=concurrency).records
+    assert a.start_time == 0.0 and a.ttft == pytest.approx(1.0) and a.latency == pytest.approx(2.0)
+    if concurrency is None:
+        assert b.start_time == pytest.approx(0.25) and b.ttft == pytest.approx(1.75) and b.latency == pytest.approx(2.75)
+    else:
+        assert b.start_time == pytest.approx(2.0) and b.ttft == pytest.approx(1.0) and b.latency == pytest.approx(2.0)

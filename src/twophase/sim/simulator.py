@@ -181,25 +181,35 @@ class Simulator:
         sent: list[tuple[Request, float]] = []
         admitting: list[tuple[Request, float]] = []  # sent, not yet in the engine: (request, arrival time)
         in_flight = 0
+        slot_freed = -math.inf  # when the concurrency limit last let a request go (a request ended)
         while pending or admitting or self.scheduler.has_unfinished:
             while pending and in_flight < limit and t0 + workload[pending[-1]].send_offset <= self.clock():
-                item, now = workload[pending.pop()], self.clock()
-                arrival = now + self.admission + self.admission_per_stream * in_flight
+                item = workload[pending.pop()]
+                # sent on its schedule, or as a slot came free: mostly during the step just simulated, not at its
+                # end, so the client's TTFT counts the wait for that step as a served run's does
+                send = max(t0 + item.send_offset, slot_freed)
+                arrival = send + self.admission + self.admission_per_stream * in_flight
                 request = self._request(item, len(sent), arrival)
-                sent.append((request, now))
+                sent.append((request, send))
                 admitting.append((request, arrival))
                 in_flight += 1
-            in_flight -= self._admit(admitting)
+            refused = self._admit(admitting)
+            slot_freed, in_flight = self._release(slot_freed, in_flight, refused, limit)
             if not self.scheduler.has_unfinished:
                 sendable = pending and in_flight < limit
                 next_send = t0 + workload[pending[-1]].send_offset if sendable else float("inf")
                 self.clock.advance_to(min(next_send, admitting[0][1] if admitting else float("inf")))
                 continue
-            in_flight -= self.step()
+            slot_freed, in_flight = self._release(slot_freed, in_flight, self.step(), limit)
         duration = self.clock() - t0
         records = [timeline_record(self._client_view(r.timeline), r.num_prompt_tokens, send) for r, send in sent]
         return SimResult(records, duration, self.steps, [r for r, _ in sent], self.step_tokens,
                          getattr(self.predictor, "num_out_of_range", 0))  # fmt: skip
+
+    def _release(self, slot_freed: float, in_flight: int, ended: int, limit: int) -> tuple[float, int]:
+        """(when a request slot last came free, requests in flight) after ``ended`` of the ``in_flight`` ended now:
+        the time moves to now where the limit was holding sends back, else no send waited for the slot."""
+        return (self.clock() if ended and in_flight >= limit else slot_freed), in_flight - ended
 
     def _client_view(self, timeline: RequestTimeline) -> RequestTimeline:
         """The timeline with token times as the client receives them (itself without jitter)."""
