@@ -715,13 +715,9 @@ def accuracy_point(profile: Profile, steptime: Path, point: AccuracyPoint, runs:
 def own_drift(steptime: Path, records: Path) -> float | None:
     """A measured run's own drift: Σ actual ÷ Σ predicted step time over its recorded steps, by the model as
     calibrated (what a rescale would have had to guess from earlier runs); None without its records."""
-    from twophase.sim.calibrate import records_from_dumps
-    from twophase.steptime.model import drift_scale
+    from twophase.sim.calibrate import drift_from_dumps
 
-    if not records.exists():
-        return None
-    features, durations, _ = records_from_dumps([str(records)])
-    return drift_scale(load_model(steptime), features, durations)
+    return drift_from_dumps(load_model(steptime), [str(records)])[0] if records.exists() else None
 
 
 def simulate_point(profile: Profile, steptime: Path, point: AccuracyPoint, path: Path,
@@ -766,12 +762,22 @@ def save_records(server: Proc, path: Path, last_step: int) -> tuple[Path, int]:
     return path, last
 
 
-def drift_window(profile: Profile, earlier: list[Path], own: Path) -> list[Path]:
-    """The records a run's prediction is rescaled on: all ``earlier`` runs of its server, the last of them
-    ("previous"), or the run's ``own`` ("own": the best any estimate from records could do, not a prediction)."""
-    if profile.drift_window == "own":
-        return [own]
-    return earlier[-1:] if profile.drift_window == "previous" else list(earlier)
+def drift_sources(profile: Profile, points: list[AccuracyPoint], out: Path) -> dict[str, list[list[Path]]]:
+    """Per point, per measured repeat: the records its prediction is rescaled on (``drift_window``), found by name
+    in ``out``. Each repeat of a workload ran on a server of its own: the warm-up probe, then the points in load
+    order. The window is all those earlier runs ("server"), the last of them ("previous"), or the run's own records
+    ("own": the best any estimate from records could do, not a prediction)."""
+    sources: dict[str, list[list[Path]]] = {}
+    for repeat in range(profile.measured_repeats):
+        for name in dict.fromkeys(p.workload.name for p in points):
+            probe = out / f"{name}-probe{repeat_suffix(repeat)}-records.json"
+            earlier = [probe] if profile.probe_prompts > 0 and probe.exists() else []  # the server's runs, oldest first
+            for point in (p for p in points if p.workload.name == name):
+                own = out / f"{point.stem}-records{repeat_suffix(repeat)}.json"
+                window = {"own": [own], "previous": earlier[-1:]}.get(profile.drift_window, list(earlier))
+                sources.setdefault(point.stem, []).append(window)
+                earlier.append(own)
+    return sources
 
 
 def measure_workload(profile: Profile, steptime: Path, workload: Workload, seed: int, slos: dict[str, float],
@@ -791,17 +797,14 @@ def measure_workload(profile: Profile, steptime: Path, workload: Workload, seed:
                       f"SLOs {slos}", flush=True)  # fmt: skip
                 points = [plan_point(profile, steptime, workload, load, round(load * capacities[workload.name], 4),
                                      seed + l_index, slos, out) for l_index, load in enumerate(profile.loads)]
-            probe, last_step = probe_server(profile, server, workload, seed, repeat, out,
-                                            records_since(server.url, -1)[1])  # fmt: skip
-            recorded = [probe] if probe else []  # this server's runs so far, oldest first
+            _, last_step = probe_server(profile, server, workload, seed, repeat, out, records_since(server.url, -1)[1])
             for point in points:
                 runs.walls.setdefault(point.stem, []).append(measure_point(profile, server, point, repeat, out))
-                path, last_step = save_records(server, out / f"{point.stem}-records{repeat_suffix(repeat)}.json",
-                                               last_step)  # fmt: skip
-                runs.drift_sources.setdefault(point.stem, []).append(drift_window(profile, recorded, path))
-                recorded.append(path)
+                _, last_step = save_records(server, out / f"{point.stem}-records{repeat_suffix(repeat)}.json",
+                                            last_step)  # fmt: skip
         finally:
             server.stop()
+    runs.drift_sources = drift_sources(profile, points, out)
     return points, runs
 
 
@@ -826,8 +829,7 @@ def run_accuracy(profile: Profile, steptime: Path, out: Path) -> dict[str, Any]:
 def resimulate_accuracy(profile: Profile, steptime: Path, source: Path, out: Path) -> dict[str, Any]:
     """The accuracy stage of an earlier run (``source``: its ``--out``) simulated again with ``steptime`` and
     compared with the same measured runs; nothing is measured. The measured results and server records are copied
-    into ``out``, and each run's drift sources are rebuilt as that run had them (its server's probe, then the
-    points before it in load order)."""
+    into ``out``, where ``drift_sources`` finds each run's as the measuring run did."""
     saved = json.loads((source / "results.json").read_text())["accuracy"]
     out = out / "accuracy"
     out.mkdir(parents=True, exist_ok=True)
@@ -838,15 +840,8 @@ def resimulate_accuracy(profile: Profile, steptime: Path, source: Path, out: Pat
     profile.measured_repeats = int(saved["measured_repeats"])
     planned = [AccuracyPoint(workloads[p["workload"]], p["load"], p["rate"], p["seed"], p["slos"], p["num_prompts"],
                              list(p["request_list_mismatches"])) for p in saved["points"]]  # fmt: skip
-    runs = MeasuredRuns({p.stem: list(s["wall_s_runs"]) for p, s in zip(planned, saved["points"])})
-    for repeat in range(profile.measured_repeats):
-        for name in dict.fromkeys(p.workload.name for p in planned):
-            probe = out / f"{name}-probe{repeat_suffix(repeat)}-records.json"
-            recorded = [probe] if probe.exists() else []
-            for point in (p for p in planned if p.workload.name == name):
-                path = out / f"{point.stem}-records{repeat_suffix(repeat)}.json"
-                runs.drift_sources.setdefault(point.stem, []).append(drift_window(profile, recorded, path))
-                recorded.append(path)
+    runs = MeasuredRuns({p.stem: list(s["wall_s_runs"]) for p, s in zip(planned, saved["points"])},
+                        drift_sources(profile, planned, out))
     return {"capacities": saved["capacities"], "capacity_source": saved["capacity_source"],
             "rescaled": profile.rescale, "measured_repeats": profile.measured_repeats, "resimulated_from": source.name,
             "points": [accuracy_point(profile, steptime, p, runs, out) for p in planned]}  # fmt: skip

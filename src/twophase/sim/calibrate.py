@@ -192,16 +192,21 @@ def check_drift_weight(weight: float) -> float:
     return weight
 
 
-def rescale_from_dumps(model: StepTimeModel, record_paths: list[str], weight: float = 1.0) -> StepTimeModel:
-    """``model`` scaled by the drift (Σ actual ÷ Σ predicted) over the steps of `/v1/records` dumps: the target
-    server's latest runs, so a prediction follows the machine's speed now rather than at calibration. ``weight``
-    in [0, 1] shrinks the drift toward 1 (the scale is drift ** weight): a drift measured on other runs also holds
-    the model's error on their mix of steps and the host's passing noise, not only a lasting change of speed."""
+def drift_from_dumps(model: StepTimeModel, record_paths: Iterable[str]) -> tuple[float, int]:
+    """(Σ actual ÷ Σ predicted step time by ``model``, steps) over the steps of `/v1/records` dumps."""
     features, durations, _ = records_from_dumps(record_paths)
-    drift = drift_scale(model, features, durations)
+    return drift_scale(model, features, durations), len(durations)
+
+
+def rescale_from_dumps(model: StepTimeModel, record_paths: list[str], weight: float = 1.0) -> StepTimeModel:
+    """``model`` scaled by the drift (``drift_from_dumps``) over the target server's latest runs, so a prediction
+    follows the machine's speed now rather than at calibration. ``weight`` in [0, 1] shrinks the drift toward 1
+    (the scale is drift ** weight): a drift measured on other runs also holds the model's error on their mix of
+    steps and the host's passing noise, not only a lasting change of speed."""
+    drift, steps = drift_from_dumps(model, record_paths)
     scaled = model.scaled(drift ** check_drift_weight(weight))
-    scaled.meta.update(rescaled_on=[Path(p).name for p in record_paths], rescaled_steps=len(durations),
-                       drift=drift, drift_weight=weight)
+    scaled.meta.update(rescaled_on=[Path(p).name for p in record_paths], rescaled_steps=steps, drift=drift,
+                       drift_weight=weight)
     return scaled
 
 
