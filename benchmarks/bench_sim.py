@@ -3,8 +3,9 @@
 Stages (each saves its JSON under ``--out``; ``results.md`` sums them up):
 
 1. **calibrate** — by default a served calibration: one ``twophase serve`` driven by ``bench serve`` as the
-   accuracy points are (a saturated burst of the mixed workload, then mixed at 50% and 90%, decode-heavy at 70%
-   and prefill-heavy at 60% of their simulated capacities, seeds no accuracy point uses); its ``/v1/records``
+   accuracy points are (a saturated burst of the mixed workload, then mixed at 50% and 90%, decode-heavy at 70%,
+   prefill-heavy at 60% and a calibration-only long-context workload at 60% of their simulated capacities, seeds
+   no accuracy point uses); its ``/v1/records``
    after each run and bench serve's results go to ``twophase calibrate --from-records ... --served ...``, so step
    times, the busy inter-step gap and the per-request serving overhead (``admission_s``: client TTFT minus the
    engine's) are those of the engine as served, client beside it. ``--calibration grid``: ``twophase calibrate``
@@ -151,8 +152,9 @@ class ServedCalibration:
     burst_prompts: int = 16  # at least; raised to the sweep's largest max-num-seqs (see calibration_burst)
     seconds: float = 30.0
     runs: tuple[tuple[str, float], ...] = (("mixed", 0.5), ("mixed", 0.9), ("decode-heavy", 0.7),
-                                           ("prefill-heavy", 0.6))  # fmt: skip
+                                           ("prefill-heavy", 0.6), ("long-context", 0.6))  # fmt: skip
     seed_offset: int = 7000
+    workloads: list[Workload] = field(default_factory=lambda: calibration_workloads())  # runs may name these too
 
 
 @dataclass
@@ -230,6 +232,22 @@ def default_workloads(scale: float = 1.0) -> list[Workload]:
     ]
 
 
+def calibration_workloads(scale: float = 1.0) -> list[Workload]:
+    """Workloads the served calibration runs besides the accuracy ones, none of which it predicts.
+    ``long-context``: decode rows over 384-1,440 tokens of context each (distinct prompts, 768 / 192 ±50%), so that
+    the fit can tell a context token's cost from a decode row's. The accuracy workloads' runs decode over 64-640
+    tokens, and there the rows and the context rise together. Session 31's fit without this run (2 Zen 3 cores)
+    charged 5.8 µs a context token and 1.0 ms a decode row (beyond 4 rows). On session 31's second accuracy run,
+    decode-only steps of 5-24 rows then ran x1.02-1.19 of the prediction over ~190 tokens of context a row, and
+    x0.75-0.84 over 610-1,030 tokens. Session 32's calibration gave 2.8 µs and 1.9 ms without this run, and 1.3 µs and
+    2.3 ms with it. On three measured accuracy runs the figures within tolerance stayed the same within noise
+    (docs/runs/sim-cpu, session 32)."""
+    def s(n: int) -> int:
+        return max(2, int(n * scale))
+
+    return [Workload("long-context", random_flags(s(768), s(192), 0.5), s(768), s(192))]
+
+
 def make_profile(args: argparse.Namespace) -> Profile:
     """The profile the flags ask for (full, quick or smoke)."""
     profile = Profile(model=args.model, dtype=args.dtype, threads=args.threads, capacity=args.capacity,
@@ -276,7 +294,8 @@ def smoke_profile(profile: Profile) -> None:
     profile.seconds, profile.min_prompts, profile.loads, profile.capacity_prompts = 1.0, 4, (0.6,), 16
     profile.calibrate = ["--budgets", "32,128", "--concurrency", "1,8", "--prompt-lens", "16,96", "--output-len", "16"]
     profile.sweep, profile.sweep_loads = ["budget=32,128"], (0.6,)
-    profile.served = ServedCalibration(burst_prompts=8, seconds=2.0, runs=(("mixed", 0.6), ("decode-heavy", 0.6)))
+    profile.served = ServedCalibration(burst_prompts=8, seconds=2.0, runs=(("mixed", 0.6), ("long-context", 0.6)),
+                                       workloads=calibration_workloads(scale=1 / 8))  # fmt: skip
     profile.workloads = default_workloads(scale=1 / 8)
     profile.auto = AutoTest(stream_in=16, stream_out=24, long_in=160, long_out=4, rate=20.0, num_prompts=8, runs=1,
                             budgets=(32, 128))  # fmt: skip
@@ -536,7 +555,7 @@ def calibrate_served(profile: Profile, out: Path) -> Path:
     cal = profile.served
     cal_out = out / "calibration"
     cal_out.mkdir(parents=True, exist_ok=True)
-    workloads = {w.name: w for w in profile.workloads}
+    workloads = {w.name: w for w in [*profile.workloads, *cal.workloads]}
     start = time.monotonic()
     burst_prompts = calibration_burst(profile)
     print(f"calibrating on a served run ({burst_prompts}-request burst, then {cal.runs}) ...", flush=True)
