@@ -901,7 +901,8 @@ def run_sweep(profile: Profile, steptime: Path, out: Path, capacities: dict[str,
     points = [median_config(list(measured)) for measured in zip(*runs)]
     return {"workload": workload.name, "rates": rates, "num_prompts": prompts, "slos": slos, "sweep": sweep,
             "margin": profile.sweep_margin, "points": points, "sim_pick": simulated["best"],
-            **sweep_verdicts(points, simulated["best"])}
+            "sim_pick_same_run": simulated.get("best_same_run", []), **sweep_verdicts(points, simulated["best"]),
+            **pooled_verdict(points, simulated["points"], simulated["best"])}
 
 
 def sweep_verdicts(points: list[dict[str, Any]], picked: dict[str, Any] | None) -> dict[str, Any]:
@@ -924,6 +925,27 @@ def sweep_verdicts(points: list[dict[str, Any]], picked: dict[str, Any] | None) 
             "pass": ratio is not None and ratio >= 1 - SWEEP_PICK_TOLERANCE,
             "pass_admissible": pick_attains and ratio_at_floor is not None
             and ratio_at_floor >= 1 - SWEEP_PICK_TOLERANCE}  # fmt: skip
+
+
+def pooled_verdict(points: list[dict[str, Any]], simulated: list[dict[str, Any]], picked: dict[str, Any] | None
+                   ) -> dict[str, Any]:  # fmt: skip
+    """A figure beside the issue's check, not instead of it: configurations whose simulated runs are the same in every
+    figure (``same_simulated_run``) run the same steps when served, so their measured runs are replicates of one
+    run. Each such class's goodput is the median of all its members' runs; ``pick_class_over_best_class`` is the
+    pick's class over the best class. (Judged one by one, the best of a class of replicates is the luckiest.)"""
+    from twophase.sim.cli import same_simulated_run
+
+    def pooled(index: int) -> float:
+        members = [index] + [simulated.index(twin) for twin in same_simulated_run(simulated, simulated[index])]
+        return statistics.median(g for i in members for g in points[i].get("measured_goodput_runs",
+                                                                            [points[i]["measured_goodput"]]))
+
+    classes = [pooled(i) for i in range(len(points))]
+    chosen = next((i for i, p in enumerate(points) if p["config"] == picked), None)
+    if chosen is None or not max(classes):
+        return {"pick_class_goodput": None, "best_class_goodput": None, "pick_class_over_best_class": None}
+    return {"pick_class_goodput": classes[chosen], "best_class_goodput": max(classes),
+            "pick_class_over_best_class": classes[chosen] / max(classes)}
 
 
 def goodput_ratio(chosen: dict[str, Any] | None, best: dict[str, Any] | None) -> float | None:
@@ -1179,6 +1201,21 @@ def measured_goodput_cell(point: dict[str, Any]) -> str:
     return median if len(runs) < 2 else f"{median} ({', '.join(f'{g:.3g}' for g in runs)})"
 
 
+def _pooled_text(sweep: dict[str, Any]) -> list[str]:
+    """The pooled figure's sentence (``pooled_verdict``), where the sweep has it."""
+    if sweep.get("pick_class_over_best_class") is None:
+        return []
+    return ["", f"Pooled over configurations with the same simulated run (their measured runs are replicates): the "
+                f"pick's class {sweep['pick_class_goodput']:.3g} req/s, the best class {sweep['best_class_goodput']:.3g}"
+                f", ratio {_ratio(sweep['pick_class_over_best_class'])} (a figure beside the check above, not instead "
+                f"of it)."]
+
+
+def _same_run_text(same: list[dict[str, Any]] | None) -> str:
+    """The configurations the simulator ran identically to its pick (their measured differences are the host's)."""
+    return f" (the same simulated run as {', '.join(map(str, same))})" if same else ""
+
+
 def sweep_markdown(sweep: dict[str, Any]) -> list[str]:
     """The measured and simulated goodput of every configuration and the verdict on the pick."""
     rows = [[p["name"], p["simulated_goodput"], p["simulated_attainment"], p.get("simulated_attainment_margin", "-"),
@@ -1190,13 +1227,15 @@ def sweep_markdown(sweep: dict[str, Any]) -> list[str]:
             f"step-time margin {100 * margin:g}%.", "",
             table(["configuration", "sim goodput", "sim attainment", "sim attainment +margin", "measured goodput",
                    "measured attainment"], rows), "",
-            f"Sim picks {sweep['sim_pick']}; best measured at >= {SWEEP_ATTAINMENT:.0%} attainment "
+            f"Sim picks {sweep['sim_pick']}{_same_run_text(sweep.get('sim_pick_same_run'))}; best measured at >= "
+            f"{SWEEP_ATTAINMENT:.0%} attainment "
             f"{sweep.get('best_measured_at_floor')}, best measured goodput at any attainment {sweep['best_measured']}. "
             f"Picked / best measured goodput = {_ratio(sweep['pick_over_best'])} -> {_verdict(sweep['pass'])} (the "
             f"issue's check: within {SWEEP_PICK_TOLERANCE:.0%}). Stricter: the pick measured "
             f"{'at' if sweep.get('pick_attains') else 'BELOW'} the {SWEEP_ATTAINMENT:.0%} attainment floor; picked / "
             f"best measured at the floor = {_ratio(sweep.get('pick_over_best_at_floor'))} -> "
-            f"{_verdict(sweep.get('pass_admissible'))} (admissible, and within {SWEEP_PICK_TOLERANCE:.0%}).", ""]
+            f"{_verdict(sweep.get('pass_admissible'))} (admissible, and within {SWEEP_PICK_TOLERANCE:.0%}).",
+            *_pooled_text(sweep), ""]
 
 
 def _ratio(value: float | None) -> str:

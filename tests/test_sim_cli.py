@@ -94,6 +94,24 @@ def test_best_goodput_needs_the_floor_with_and_without_the_margin():
     assert best_goodput(unchecked, 0.9)["config"] == {"rate": 2}
 
 
+def test_sweep_names_the_configurations_that_simulate_the_same_run_as_the_pick(step_model, tiny_llama_dir, tmp_path,
+                                                                               capsys):  # fmt: skip
+    """A sequence limit above the requests ever in flight changes nothing: the pick's line names its twin, and the
+    saved result lists it; a limit that binds (1 sequence, 8 requests sent at once) gives another run."""
+    argv = ["sim", "--model", str(tiny_llama_dir), "--step-time-model", str(step_model), "--block-size", "4",
+            "--num-prompts", "8", "--random-input-len", "20", "--random-output-len", "4", "--goodput", "ttft:100000",
+            "--sweep", "max-num-seqs=1,16,32", "--save-result", "--result-dir", str(tmp_path),
+            "--result-filename", "sweep.json"]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "Most goodput at >= 90% attainment: max-num-seqs=16 " in text
+    assert "req/s); the same simulated run as max-num-seqs=32\n" in text
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    assert saved["best"] == {"max_num_seqs": 16.0} and saved["best_same_run"] == [{"max_num_seqs": 32.0}]
+    one, sixteen, _ = saved["points"]
+    assert one["max_concurrent_requests"] == 8 and one["p99_ttft_ms"] > sixteen["p99_ttft_ms"]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["sim"], "needs --step-time-model"),
     (["sim", "--step-time-model", "x.json", "--sweep", "speed=1"], "--sweep takes KEY="),

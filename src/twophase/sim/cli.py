@@ -305,12 +305,15 @@ def run_sim_sweep(args: argparse.Namespace, setup: SimSetup, config: LoadConfig)
         points.append({"config": combo, **point})
     print(format_sim_sweep(points))
     best = best_goodput(points, args.slo_attainment)
+    same = same_simulated_run(points, best) if best else []
     verdict = f"{_combo_text(best['config'])} ({best['request_goodput']:.2f} req/s)" if best else "none"
+    if same:
+        verdict += "; the same simulated run as " + ", ".join(_combo_text(p["config"]) for p in same)
     margin = f" (also with steps {100 * args.sweep_margin:g}% longer)" if args.sweep_margin else ""
     print(f"Most goodput at >= {100 * args.slo_attainment:.0f}% attainment{margin}: {verdict}")
     if args.save_result:
         data = {"backend": "twophase-sim", "model_id": str(args.model), "points": points,
-                "best": best and best["config"]}  # fmt: skip
+                "best": best and best["config"], "best_same_run": [p["config"] for p in same]}  # fmt: skip
         filename = args.result_filename or f"{args.label or 'twophase'}-sim-sweep.json"
         print(f"saved {save_json(_jsonable(data), args.result_dir, filename)}")
     return 0
@@ -331,6 +334,16 @@ def best_goodput(points: list[dict[str, Any]], min_attainment: float) -> dict[st
         return all(p.get(key, {}).get("all", 0.0) >= min_attainment for key in keys)
 
     return max(filter(qualifies, points), key=lambda p: p["request_goodput"], default=None)
+
+
+def same_simulated_run(points: list[dict[str, Any]], best: dict[str, Any]) -> list[dict[str, Any]]:
+    """The other points whose simulated result equals ``best``'s in every figure: their settings never acted on this
+    workload (e.g. a sequence limit above the most requests ever in flight), so the simulator cannot tell them apart,
+    and neither can a measurement beyond its noise."""
+    def figures(p: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in p.items() if k != "config"}
+
+    return [p for p in points if p is not best and figures(p) == figures(best)]
 
 
 def _combo_text(combo: dict[str, float | str]) -> str:
