@@ -219,10 +219,15 @@ def prefix_flags(prefix: int, suffix: int, output_len: int, num_prefixes: int) -
             "--prefix-repetition-num-prefixes", str(num_prefixes)]  # fmt: skip
 
 
+def scaled_length(n: int, scale: float) -> int:
+    """A workload length shrunk by ``scale`` (the smoke run's tiny model), at least 2."""
+    return max(2, int(n * scale))
+
+
 def default_workloads(scale: float = 1.0) -> list[Workload]:
     """The four accuracy workloads; ``scale`` shrinks every length (the smoke run's tiny model)."""
     def s(n: int) -> int:
-        return max(2, int(n * scale))
+        return scaled_length(n, scale)
 
     return [
         Workload("decode-heavy", random_flags(s(64), s(256)), s(64), s(256)),
@@ -242,10 +247,8 @@ def calibration_workloads(scale: float = 1.0) -> list[Workload]:
     x0.75-0.84 over 610-1,030 tokens. Session 32's calibration gave 2.8 µs and 1.9 ms without this run, and 1.3 µs and
     2.3 ms with it. On three measured accuracy runs the figures within tolerance stayed the same within noise
     (docs/runs/sim-cpu, session 32)."""
-    def s(n: int) -> int:
-        return max(2, int(n * scale))
-
-    return [Workload("long-context", random_flags(s(768), s(192), 0.5), s(768), s(192))]
+    prompt, output = scaled_length(768, scale), scaled_length(192, scale)
+    return [Workload("long-context", random_flags(prompt, output, 0.5), prompt, output)]
 
 
 def make_profile(args: argparse.Namespace) -> Profile:
@@ -935,10 +938,10 @@ def pooled_verdict(points: list[dict[str, Any]], simulated: list[dict[str, Any]]
     pick's class over the best class. (Judged one by one, the best of a class of replicates is the luckiest.)"""
     from twophase.sim.cli import same_simulated_run
 
-    def pooled(index: int) -> float:
-        members = [index] + [simulated.index(twin) for twin in same_simulated_run(simulated, simulated[index])]
-        return statistics.median(g for i in members for g in points[i].get("measured_goodput_runs",
-                                                                            [points[i]["measured_goodput"]]))
+    def pooled(index: int) -> float:  # median of every run of the configurations simulated as points[index] was
+        twins = same_simulated_run(simulated, simulated[index])
+        members = [j for j, sim in enumerate(simulated) if j == index or any(sim is twin for twin in twins)]
+        return statistics.median(g for j in members for g in points[j]["measured_goodput_runs"])
 
     classes = [pooled(i) for i in range(len(points))]
     chosen = next((i for i, p in enumerate(points) if p["config"] == picked), None)
