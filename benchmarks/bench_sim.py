@@ -35,14 +35,15 @@ Stages (each saves its JSON under ``--out``; ``results.md`` sums them up):
    prefill steps; one decode step plus the gap) — loose at 30% load, binding near capacity, so goodput is neither
    trivially all nor nothing.
 3. **sweep** — ``twophase sim --sweep budget=... max-num-seqs=... rate=...`` on the mixed workload at 40% and 55%
-   of its capacity (one request list, sent at either rate) picks the configuration with the most goodput at >= 90%
-   attainment (``--sweep-margin F``: also with every step F longer); every configuration is then measured
-   (``--sweep-repeats N``: N times, the configurations interleaved, compared by the medians); the
-   pick passes when its measured goodput is within 5% of the best measured one (the issue's check), and the
-   stricter check when it also reaches 90% attainment measured and is within 5% of the best measured configuration
-   that does. The loads straddle the goodput cliff of the workload's SLOs: at 30% every
-   configuration meets them, at 60% and above none reaches 90% attainment (session 18 swept at 85% alone, where
-   nothing could be picked), so the rate axis asks how much load a configuration takes within the SLOs.
+   of its capacity (one request list of at least ``--sweep-prompts`` requests, 40 by default, sent at either
+   rate) picks the configuration with the most goodput at >= 90% attainment (``--sweep-margin F``: also with every
+   step F longer); every configuration is then measured (``--sweep-repeats N``: N times, the configurations
+   interleaved, compared by the medians); the pick passes when its measured goodput is within 5% of the best
+   measured one (the issue's check), and the stricter check when it also reaches 90% attainment measured and is
+   within 5% of the best measured configuration that does. The loads straddle the goodput cliff of the workload's
+   SLOs: at 30% every configuration meets them, at 60% and above none reaches 90% attainment (session 18 swept at
+   85% alone, where nothing could be picked), so the rate axis asks how much load a configuration takes within the
+   SLOs.
 4. **auto** — streams (short prompts, long outputs) alternating with long-prompt arrivals (pattern S S S L, a
    custom JSONL dataset), served with fixed budgets 512 and 2048 and with ``--step-budget auto --slo-itl-ms X
    --slo-ttft-ms Y`` (cap 2048), interleaved (512, 2048, auto, repeat), a fresh server per run, medians of
@@ -182,6 +183,10 @@ class Profile:
     sweep_loads: tuple[float, ...] = (0.4, 0.55)  # fractions of the workload's capacity: the sweep's rate axis
     sweep_margin: float = 0.0  # > 0: the pick must also reach the attainment floor with every step this much longer
     sweep_repeats: int = 1  # measured runs per sweep configuration (interleaved), compared by their medians
+    # requests in the sweep's request list, at least: goodput counts requests, so with n of them one request that
+    # misses an objective moves a configuration's goodput by 1/n. At 40 that is 2.5%, half the check's 5% tolerance;
+    # the 15 that 40 s of arrivals gave before made one request 6.7%, more than the tolerance itself.
+    sweep_min_prompts: int = 40
     seed: int = 0
     auto: AutoTest = field(default_factory=AutoTest)
     workloads: list[Workload] = field(default_factory=list)
@@ -274,6 +279,10 @@ def make_profile(args: argparse.Namespace) -> Profile:
     if args.sweep_load:
         profile.sweep_loads = tuple(float(v) for v in args.sweep_load.split(","))
     profile.sweep_margin = args.sweep_margin
+    if args.sweep_prompts is not None:
+        if args.sweep_prompts < 1:
+            raise ValueError(f"--sweep-prompts must be at least 1, got {args.sweep_prompts}")
+        profile.sweep_min_prompts = args.sweep_prompts
     if args.sweep_repeats < 1:
         raise ValueError(f"--sweep-repeats must be at least 1, got {args.sweep_repeats}")
     profile.sweep_repeats = args.sweep_repeats
@@ -296,7 +305,7 @@ def smoke_profile(profile: Profile) -> None:
     profile.max_model_len, profile.max_num_seqs, profile.budget, profile.kv_cache_memory = 256, 16, 64, "64MiB"
     profile.seconds, profile.min_prompts, profile.loads, profile.capacity_prompts = 1.0, 4, (0.6,), 16
     profile.calibrate = ["--budgets", "32,128", "--concurrency", "1,8", "--prompt-lens", "16,96", "--output-len", "16"]
-    profile.sweep, profile.sweep_loads = ["budget=32,128"], (0.6,)
+    profile.sweep, profile.sweep_loads, profile.sweep_min_prompts = ["budget=32,128"], (0.6,), 4
     profile.served = ServedCalibration(burst_prompts=8, seconds=2.0, runs=(("mixed", 0.6), ("long-context", 0.6)),
                                        workloads=calibration_workloads(scale=1 / 8))  # fmt: skip
     profile.workloads = default_workloads(scale=1 / 8)
@@ -889,7 +898,8 @@ def run_sweep(profile: Profile, steptime: Path, out: Path, capacities: dict[str,
     if workload.name not in capacities:
         capacities[workload.name] = capacity(profile, steptime, workload, out, None)
     rates = [round(load * capacities[workload.name], 4) for load in profile.sweep_loads]
-    prompts = num_prompts(profile, max(rates), workload.prompt_multiple)  # one request list at every rate
+    prompts = max(profile.sweep_min_prompts, num_prompts(profile, max(rates), workload.prompt_multiple))
+    prompts = workload.prompt_multiple * math.ceil(prompts / workload.prompt_multiple)  # one list at every rate
 
     def flags_at(rate: float) -> list[str]:
         return [*workload.flags, *traffic_flags(prompts, rate, profile.seed + 500)]
@@ -1340,6 +1350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="sweep: fractions of the workload's capacity, its rate axis (default 0.4,0.55)")
     p.add_argument("--sweep-repeats", type=int, default=1, metavar="N",
                    help="sweep: measure every configuration N times (interleaved) and compare the medians")
+    p.add_argument("--sweep-prompts", type=int, default=None, metavar="N",
+                   help="sweep: requests in its request list, at least (default 40: one request 2.5%% of goodput)")
     p.add_argument("--sweep-margin", type=float, default=0.0, metavar="F",
                    help="sweep: the simulator's pick must keep its attainment with steps F longer (twophase sim "
                    "--sweep-margin; default 0)")  # fmt: skip
