@@ -69,7 +69,7 @@ prefix cache before the run; each server is warmed up with an unrelated prompt i
 explicit, so the simulator sizes the KV cache exactly as the server does. ``sim`` and ``bench serve`` run in this
 process (``twophase.cli.main``), ``calibrate`` and ``serve`` as subprocesses.
 
-Commands (the default model, float32, CPU, 2 cores: about 35 min in all, of which calibration ~5 min and the 12
+Commands (the default model, float32, CPU, 2 cores: about 40 min in all, of which calibration ~5 min and the 12
 accuracy points ~13 min; ``--quick`` ~15 min; ``--smoke`` ~3 min)::
 
     python benchmarks/bench_sim.py --out runs/bench-sim                       # everything
