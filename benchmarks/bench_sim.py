@@ -634,9 +634,10 @@ def fit_served(profile: Profile, cal_out: Path, names: list[str], path: Path) ->
 # ---------------------------------------------------------------- stage 2: accuracy
 
 
-def num_prompts(profile: Profile, rate: float, multiple: int = 1) -> int:
-    """Enough prompts for ``profile.seconds`` of arrivals at ``rate`` (at least ``min_prompts``)."""
-    n = max(profile.min_prompts, round(rate * profile.seconds))
+def num_prompts(profile: Profile, rate: float, multiple: int = 1, at_least: int = 0) -> int:
+    """Enough prompts for ``profile.seconds`` of arrivals at ``rate`` (at least ``min_prompts`` and ``at_least``),
+    rounded up to a multiple of ``multiple``."""
+    n = max(profile.min_prompts, at_least, round(rate * profile.seconds))
     return multiple * math.ceil(n / multiple)
 
 
@@ -898,8 +899,8 @@ def run_sweep(profile: Profile, steptime: Path, out: Path, capacities: dict[str,
     if workload.name not in capacities:
         capacities[workload.name] = capacity(profile, steptime, workload, out, None)
     rates = [round(load * capacities[workload.name], 4) for load in profile.sweep_loads]
-    prompts = max(profile.sweep_min_prompts, num_prompts(profile, max(rates), workload.prompt_multiple))
-    prompts = workload.prompt_multiple * math.ceil(prompts / workload.prompt_multiple)  # one list at every rate
+    # one request list at every rate
+    prompts = num_prompts(profile, max(rates), workload.prompt_multiple, at_least=profile.sweep_min_prompts)
 
     def flags_at(rate: float) -> list[str]:
         return [*workload.flags, *traffic_flags(prompts, rate, profile.seed + 500)]
