@@ -86,6 +86,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -231,9 +232,7 @@ def scaled_length(n: int, scale: float) -> int:
 
 def default_workloads(scale: float = 1.0) -> list[Workload]:
     """The four accuracy workloads; ``scale`` shrinks every length (the smoke run's tiny model)."""
-    def s(n: int) -> int:
-        return scaled_length(n, scale)
-
+    s = functools.partial(scaled_length, scale=scale)
     return [
         Workload("decode-heavy", random_flags(s(64), s(256)), s(64), s(256)),
         Workload("prefill-heavy", random_flags(s(1024), s(16)), s(1024), s(16)),
