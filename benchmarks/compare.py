@@ -4,7 +4,9 @@ Rows (medians of --repeats runs):
   decode, 1 request (llama-bench tg128)      prefill, 512-token prompt (llama-bench pp512)
   decode, batch 32 (llama-batched-bench S_TG, npp 128 / ntg 128 / npl 32, or the same shape for the others)
   S1 serving (64 prompts x 256 in / 128 out random, concurrency 32, `twophase bench serve` as the client):
-      output tok/s, TTFT p99, TPOT p99, failed requests
+      output tok/s, TTFT p99, TPOT p99, failed requests. Every column's server is up at once and S1 runs in rounds,
+      once a server a round (order rotated), so a slow spell of a shared host falls on one round of every column,
+      not on every run of one; the report adds each round's figures and twophase's ratio to the best peer in it.
   floor: measured read bandwidth / weight bytes (the most decode tok/s one request can get)
 
 Columns: twophase with its defaults, one more per --twophase-args, llama.cpp per --precisions (built from the
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -35,7 +38,7 @@ import torch  # noqa: E402
 from bench_engine import measure_bandwidth  # noqa: E402
 
 from peers import llamacpp, twophase_peer, vllm_cpu  # noqa: E402
-from peers.common import Workload, log  # noqa: E402
+from peers.common import S1Target, Workload, log, median, run_s1_rounds  # noqa: E402
 from twophase.loader import open_model_source, resolve  # noqa: E402
 
 PEERS = ("twophase", "llamacpp", "vllm")
@@ -93,26 +96,78 @@ def error_column(exc: BaseException) -> dict:
     return {"unavailable": f"{type(exc).__name__}: {text[-1][:200] if text else ''}"}
 
 
-def run_twophase(model: str, extra: str, shapes: dict, workload: Workload | None, repeats: int) -> dict:
+def run_twophase(model: str, extra: str, shapes: dict, repeats: int) -> dict:
     try:
         out = twophase_peer.bench_engine(model, extra, shapes, repeats)
         gc.collect()
-        if workload is not None:
-            log(f"twophase [{extra or 'defaults'}]: S1 via twophase serve")
-            out["s1"] = twophase_peer.run_serving(model, extra, workload, repeats)
         return out
     except Exception as exc:  # noqa: BLE001 -- one column failing must not end the comparison
         log(f"twophase [{extra}] failed: {exc}")
         return error_column(exc)
 
 
-def run_llamacpp(source: Path, precision: str, tokenizer: str, shapes: dict, workload: Workload | None,
-                 repeats: int) -> dict:
+def run_llamacpp(source: Path, precision: str, shapes: dict, repeats: int) -> dict:
     try:
-        return llamacpp.bench(source, precision, tokenizer, shapes, workload, repeats)
+        return llamacpp.bench(source, precision, shapes, repeats)
     except Exception as exc:  # noqa: BLE001
         log(f"llama.cpp {precision} failed: {exc}")
         return error_column(exc)
+
+
+def s1_targets(columns: list[dict], model: str, source: Path, shapes: dict, workload: Workload,
+               vllm_args: str) -> list[S1Target]:
+    """S1's server for every column that ran (twophase with its args, llama-server on its precision's GGUF, vLLM)."""
+    targets = []
+    for col in columns:
+        if "unavailable" in col["result"]:
+            continue
+        name = col["name"]
+        if col["peer"] == "twophase":
+            targets.append(S1Target(name, functools.partial(twophase_peer.server, model, col["args"]), model))
+        elif col["peer"] == "llamacpp":
+            gguf = llamacpp.variant(source, col["precision"])
+            targets.append(S1Target(name, functools.partial(llamacpp.server, gguf, workload), model, "model"))
+        else:
+            targets.append(vllm_cpu.s1_target(name, model, col["dtype"], shapes, workload, vllm_args))
+    return targets
+
+
+def run_s1(columns: list[dict], targets: list[S1Target], workload: Workload, repeats: int) -> list[dict]:
+    """S1 on every column's server, round by round (``run_s1_rounds``); each column's medians go to its result
+    ("s1"), a server that failed to its "failed_rows". Returns each round's output tok/s by column name."""
+    log(f"S1 ({workload.describe()}): {len(targets)} servers up at once, {repeats} rounds")
+    results, rounds = run_s1_rounds(targets, workload, repeats)
+    for col in columns:
+        got = results.get(col["name"])
+        if got is None:
+            continue
+        if "error" in got:
+            col["result"].setdefault("failed_rows", {})["s1"] = got["error"]
+        else:
+            col["result"]["s1"] = got
+    return rounds
+
+
+def paired_ratios(rounds: list[dict], ours: str, peers: list[str]) -> list[float]:
+    """Per round where ours and a peer completed: our output tok/s over the best peer's in the same round."""
+    return [r[ours] / max(r[p] for p in peers if p in r) for r in rounds if ours in r and any(p in r for p in peers)]
+
+
+def render_rounds(rounds: list[dict], columns: list[dict]) -> str:
+    """S1 round by round (output tok/s) and twophase's ratio to the best peer in each round, with their median."""
+    names = [c["name"] for c in columns if any(c["name"] in r for r in rounds)]
+    ours = next((c["name"] for c in columns if c["peer"] == "twophase"), None)
+    peers = [c["name"] for c in columns if c["peer"] != "twophase"]
+    if ours not in names or not any(p in names for p in peers):
+        return ""
+    lines = ["S1 output tok/s round by round (every server up at once; one run each a round, order rotated):", "",
+             "| round | " + " | ".join(names) + f" | {ours} / best peer |", "|" + "---|" * (len(names) + 2)]
+    for i, r in enumerate(rounds):
+        ratio = paired_ratios([r], ours, peers)
+        lines.append(f"| {i + 1} | " + " | ".join(fmt(r.get(n)) for n in names) + f" | {fmt(ratio[0], 2) if ratio else '—'} |")
+    ratios = paired_ratios(rounds, ours, peers)
+    lines += ["", f"Median of the rounds' ratios: {fmt(median(ratios), 2)} ({len(ratios)} rounds)"]
+    return "\n".join(lines) + "\n"
 
 
 def fmt(value, digits: int = 1) -> str:
@@ -198,7 +253,6 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model = str(source)
     config = open_model_source(model).config
-    tokenizer = model  # `twophase bench serve --tokenizer` reads the GGUF vocabulary
     base_dtype = twophase_peer.resolved_dtype(model, "")
 
     if args.install:
@@ -220,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
             dtype = twophase_peer.resolved_dtype(model, extra)
             name = f"twophase {dtype}{twophase_peer.gemm_note(model, extra)}" + (f" `{extra}`" if extra else " (defaults)")
             log(f"== {name}")
-            res = run_twophase(model, extra, shapes, workload, repeats)
+            res = run_twophase(model, extra, shapes, repeats)
             res["weight_bytes"] = twophase_weight_bytes(config.num_params, dtype, extra, source)
             columns.append({"name": name, "label": "twophase", "peer": "twophase", "args": extra, "dtype": dtype,
                             "result": res})
@@ -233,17 +287,22 @@ def main(argv: list[str] | None = None) -> int:
             if not llamacpp.installed():
                 res = {"unavailable": llamacpp.missing_reason()}
             else:
-                res = run_llamacpp(source, precision, tokenizer, shapes, workload, repeats)
+                res = run_llamacpp(source, precision, shapes, repeats)
             columns.append({"name": name, "label": "llama.cpp", "peer": "llamacpp", "precision": precision,
                             "result": res})
 
     for vllm_dtype in (args.vllm_dtypes or [base_dtype]) if "vllm" in args.only else []:
         name = f"vLLM CPU {vllm_cpu.VERSION} ({vllm_dtype})"
         log(f"== {name}")
-        res = vllm_cpu.try_bench(model, vllm_dtype, shapes, workload, repeats, args.vllm_args)
+        res = vllm_cpu.try_bench(model, vllm_dtype, shapes, repeats, args.vllm_args)
         if "unavailable" in res:
             log(f"vLLM CPU: unavailable ({res['unavailable']})")
         columns.append({"name": name, "label": "vLLM CPU", "peer": "vllm", "dtype": vllm_dtype, "result": res})
+
+    rounds = []
+    if workload is not None:
+        rounds = run_s1(columns, s1_targets(columns, model, source, shapes, workload, args.vllm_args), workload,
+                        repeats)
 
     for col in columns:
         res = col["result"]
@@ -259,12 +318,15 @@ def main(argv: list[str] | None = None) -> int:
         f"- llama.cpp runs with {llamacpp.THREADS} threads (`-t {llamacpp.THREADS}`; `-tb {llamacpp.THREADS}` "
         f"for batched bench and server); vLLM CPU bound to {vllm_cpu.THREADS} cores",
         f"- medians of {repeats} run(s){' — QUICK smoke shapes, not the reference ones' if args.quick else ''}",
-        f"- S1: {workload.describe() if workload else 'skipped'}; client `twophase bench serve` for every server",
+        f"- S1: {workload.describe() if workload else 'skipped'}; client `twophase bench serve` for every server; "
+        "every server up at once, one run each a round",
         f"- floor column: bandwidth / weight bytes of twophase in {base_dtype}; floor row: the same per column "
         "(GGUF file size for llama.cpp)",
         "",
     ]
-    report = "\n".join(header) + render_table(columns, shapes, workload, floor) + "\n"
+    report = "\n".join(header) + "\n" + render_table(columns, shapes, workload, floor) + "\n"
+    by_round = render_rounds(rounds, columns)
+    report += "\n" + by_round if by_round else ""
     notes = [f"{c['label']}: unavailable ({c['result']['unavailable']})"
              for c in columns if "unavailable" in c["result"]]
     notes += [f"{c['name']}: {row} failed ({reason})" for c in columns
@@ -283,6 +345,7 @@ def main(argv: list[str] | None = None) -> int:
             "quick": args.quick, "shapes": shapes, "s1": workload.__dict__ if workload else None,
             "floor_decode_tok_s": floor, "wall_s": time.time() - started,
             "argv": recorded_argv(sys.argv[1:] if argv is None else argv), "columns": columns,
+            "s1_rounds": rounds,
         }
         args.json.write_text(json.dumps(data, indent=2, default=str))
         log(f"wrote {args.json}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
@@ -12,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -154,16 +156,68 @@ def s1_summary(results: list[dict]) -> dict[str, float]:
     return {key: median([float(r.get(key, float("nan"))) for r in results]) for key in S1_KEYS}
 
 
-def run_s1(base_url: str, workload: Workload, tokenizer: str, repeats: int, model: str | None = None) -> dict:
-    """``repeats`` S1 runs (after one tiny warm-up run) → medians and the raw per-run figures."""
-    bench_serve(base_url, Workload(2, 16, 4, 2, workload.sampling), tokenizer, model, seed=99)  # first-request costs
-    runs = []
-    for r in range(repeats):
-        res = bench_serve(base_url, workload, tokenizer, model, seed=r)
-        keys = (*S1_KEYS, "completed", "duration", "median_ttft_ms", "median_tpot_ms", "total_output_tokens")
-        run = {key: res.get(key) for key in keys}
-        run["errors"] = sorted({e for e in res.get("errors") or [] if e})[:3]  # why requests failed, if any
-        runs.append(run)
-        log(f"  S1 run {r + 1}/{repeats}: {res['output_throughput']:.1f} out tok/s, "
-            f"TTFT p99 {res['p99_ttft_ms']:.0f} ms, TPOT p99 {res['p99_tpot_ms']:.1f} ms, failed {res['failed']}")
-    return {**s1_summary(runs), "runs": runs}
+def s1_run(base_url: str, workload: Workload, tokenizer: str, model: str | None, seed: int) -> dict:
+    """One S1 run: its figures (``S1_KEYS`` and a few more) and why requests failed, if any."""
+    res = bench_serve(base_url, workload, tokenizer, model, seed=seed)
+    keys = (*S1_KEYS, "completed", "duration", "median_ttft_ms", "median_tpot_ms", "total_output_tokens")
+    run = {key: res.get(key) for key in keys}
+    run["errors"] = sorted({e for e in res.get("errors") or [] if e})[:3]
+    return run
+
+
+@dataclass(frozen=True)
+class S1Target:
+    """A server S1 is measured on: ``server()`` starts it; the client tokenizes with ``tokenizer`` and names
+    ``model`` in its requests (None: the server's own name)."""
+
+    name: str
+    server: Callable[[], Server]
+    tokenizer: str
+    model: str | None = None
+
+
+def run_s1_rounds(targets: list[S1Target], workload: Workload, repeats: int) -> tuple[dict[str, dict], list[dict]]:
+    """S1 on every target, side by side: all the servers up at once (each warmed up with a tiny run), then
+    ``repeats`` rounds, each running S1 once on every server with the same request list (seed = round), the servers'
+    order rotated each round. A spell of host slowness then falls on one round of every server rather than on all
+    runs of one, and each round's figures compare within the round.
+
+    Returns per target name {medians of ``S1_KEYS``, "runs"} or {"error": reason}, and per round {name: output
+    tok/s} of the runs that completed."""
+    results: dict[str, dict] = {}
+    rounds: list[dict] = []
+    with contextlib.ExitStack() as stack:
+        live: list[tuple[S1Target, Server]] = []
+        for target in targets:
+            try:
+                server = stack.enter_context(target.server())
+                bench_serve(server.base_url, Workload(2, 16, 4, 2, workload.sampling), target.tokenizer,
+                            target.model, seed=99)  # first-request costs
+                live.append((target, server))
+            except (ServerError, RuntimeError) as exc:
+                results[target.name] = {"error": last_line(exc)}
+                log(f"S1 {target.name}: {results[target.name]['error']}")
+        runs: dict[str, list[dict]] = {target.name: [] for target, _ in live}
+        for r in range(repeats):
+            first = r % len(live) if live else 0
+            done: dict[str, float] = {}
+            for target, server in live[first:] + live[:first]:
+                try:
+                    run = s1_run(server.base_url, workload, target.tokenizer, target.model, seed=r)
+                except RuntimeError as exc:
+                    log(f"  S1 round {r + 1}/{repeats}, {target.name}: {last_line(exc)}")
+                    continue
+                runs[target.name].append(run)
+                done[target.name] = run["output_throughput"]
+                log(f"  S1 round {r + 1}/{repeats}, {target.name}: {run['output_throughput']:.1f} out tok/s, "
+                    f"TTFT p99 {run['p99_ttft_ms']:.0f} ms, TPOT p99 {run['p99_tpot_ms']:.1f} ms, failed {run['failed']}")
+            rounds.append(done)
+    for name, done_runs in runs.items():
+        results[name] = {**s1_summary(done_runs), "runs": done_runs} if done_runs else {"error": "every S1 run failed"}
+    return results, rounds
+
+
+def last_line(exc: BaseException) -> str:
+    """An exception's last non-empty line, shortened: the reason to print."""
+    lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
+    return f"{type(exc).__name__}: {lines[-1][:200] if lines else ''}"

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from peers.common import HOST, Server, ServerError, Workload, free_port, log, median, peers_home, run_s1
+from peers.common import HOST, Server, ServerError, Workload, free_port, last_line, log, median, peers_home
 
 VERSION = "0.3.36"  # llama-cpp-python sdist whose vendor/llama.cpp we build
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-server", "llama-quantize")
@@ -110,15 +110,14 @@ def bench_batched(model: Path, npp: int, ntg: int, npl: int, repeats: int) -> di
     return {"batch": median(stg), "batch_pp": median(spp), "runs": {"batch": stg, "batch_pp": spp}}
 
 
-def run_serving(model: Path, tokenizer: str, workload: Workload, repeats: int) -> dict:
-    """S1 against llama-server (continuous batching, one slot per concurrent request) on a free loopback port."""
+def server(model: Path, workload: Workload) -> Server:
+    """llama-server (continuous batching, one slot per concurrent request of ``workload``) on a free loopback port."""
     port = free_port()
     slot_ctx = workload.input_len * 2 + workload.output_len + 64  # random lengths may exceed the nominal input
     argv = [str(binary("llama-server")), "-m", str(model), "--host", HOST, "--port", str(port),
             "-t", str(THREADS), "-tb", str(THREADS), "-np", str(workload.concurrency),
             "-c", str(slot_ctx * workload.concurrency), "--alias", "model", "--no-webui"]
-    with Server("llama-server", argv, port) as server:
-        return run_s1(server.base_url, workload, tokenizer, repeats, model="model")
+    return Server("llama-server", argv, port)
 
 
 def guarded(row: str, precision: str, failed: dict, run: Callable[[], dict]) -> dict:
@@ -132,16 +131,15 @@ def guarded(row: str, precision: str, failed: dict, run: Callable[[], dict]) -> 
             how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit status {code}"
             reason = f"{Path(str(exc.cmd[0])).name} {how}"
         else:
-            reason = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200] if str(exc).strip() else ''}"
+            reason = last_line(exc)
         log(f"llama.cpp {precision} {row} failed: {reason}")
         failed[row] = reason
         return {}
 
 
-def bench(source: Path, precision: str, tokenizer: str, shapes: dict, workload: Workload | None,
-          repeats: int) -> dict:
-    """Every row for one precision, each on its own (a row whose tool fails is left out, its reason in
-    ``failed_rows``)."""
+def bench(source: Path, precision: str, shapes: dict, repeats: int) -> dict:
+    """Every llama-bench / llama-batched-bench row for one precision, each on its own (a row whose tool fails is left
+    out, its reason in ``failed_rows``); S1's server is ``server``."""
     model = variant(source, precision)
     failed: dict[str, str] = {}
     out: dict = {"runs": {}, "weight_bytes": model.stat().st_size, "file": model.name}
@@ -156,11 +154,6 @@ def bench(source: Path, precision: str, tokenizer: str, shapes: dict, workload: 
     out["runs"].update(batched.pop("runs", {}))
     out.update(batched)
     log(f"  llama.cpp {precision}: " + ", ".join(f"{k} {out[k]:.1f}" for k in ("tg", "pp", "batch") if k in out))
-    if workload is not None:
-        log(f"llama.cpp {precision}: S1 via llama-server")
-        s1 = guarded("s1", precision, failed, lambda: run_serving(model, tokenizer, workload, repeats))
-        if s1:
-            out["s1"] = s1
     if failed:
         out["failed_rows"] = failed
     return out

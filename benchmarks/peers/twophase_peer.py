@@ -1,4 +1,4 @@
-"""twophase's side of the comparison: pp / tg / batched decode through ``twophase.LLM``, S1 through ``twophase serve``.
+"""twophase's side of the comparison: pp / tg / batched decode through ``twophase.LLM``, S1's server ``twophase serve``.
 
 Engine options come as a ``twophase serve``-style argument string (``--dtype bfloat16 --max-num-seqs 32``) and are
 parsed by the CLI's own parser, so a column's configuration means the same in-process and served.
@@ -20,7 +20,7 @@ from twophase.metrics.timeline import request_metrics
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # benchmarks/: bench_engine's helpers
 from bench_engine import random_prompt  # noqa: E402
 
-from peers.common import HOST, Server, Workload, free_port, log, median, run_s1, twophase_cli  # noqa: E402
+from peers.common import HOST, Server, free_port, log, median, twophase_cli  # noqa: E402
 
 
 def parse_engine_args(model: str, extra: str) -> argparse.Namespace:
@@ -84,10 +84,9 @@ def bench_engine(model: str, extra: str, shapes: dict, repeats: int) -> dict[str
             "runs": {"tg": tg, "pp": pp, "batch": batch}}
 
 
-def run_serving(model: str, extra: str, workload: Workload, repeats: int) -> dict:
-    """S1 against ``twophase serve`` started here on a free loopback port."""
+def server(model: str, extra: str) -> Server:
+    """``twophase serve`` on a free loopback port, with the column's engine options."""
     port = free_port()
     argv = [twophase_cli(), "serve", "--model", model, "--host", HOST, "--port", str(port), *shlex.split(extra),
             "--log-level", "warning"]
-    with Server("twophase-serve", argv, port) as server:
-        return run_s1(server.base_url, workload, model, repeats)
+    return Server("twophase-serve", argv, port)

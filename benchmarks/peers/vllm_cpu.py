@@ -4,7 +4,7 @@ vLLM's GGUF path relies on GPU kernels, so the model is handed to it as an HF di
 weights twophase's loader yields (dequantized, saved in the compared dtype) plus a ``tokenizer.json`` exported from
 the GGUF vocabulary. Every row is measured through ``vllm serve`` with ``twophase bench serve`` as the client:
 tg = 1000 / median TPOT of single requests, pp = prompt tokens / median TTFT of 1-token requests, batch = concurrency
-x 1000 / median TPOT with all requests in flight, and S1.
+x 1000 / median TPOT with all requests in flight; S1 on a server of its own (``s1_target``).
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from peers.common import HOST, Server, ServerError, Workload, bench_serve, free_port, log, median, peers_home, run_s1
+from peers.common import (HOST, S1Target, Server, ServerError, Workload, bench_serve, free_port, last_line, log,
+                          median, peers_home)
 
 VERSION = "0.32.0"
 THREADS = 2
@@ -118,15 +119,19 @@ def server(model_dir: Path, max_seqs: int, max_len: int, extra: str = "") -> Ser
                   startup_timeout=900)
 
 
-def bench(model: str, dtype: str, shapes: dict, workload: Workload | None, repeats: int, extra: str = "") -> dict:
-    """Every row through one ``vllm serve`` process."""
-    model_dir = export_hf_dir(model, dtype)
-    tok = str(model_dir)
+def serve_limits(shapes: dict, workload: Workload | None) -> tuple[int, int]:
+    """(--max-num-seqs, --max-model-len) that fit every row and S1."""
     max_len = max(shapes["pp"] + 16, shapes["npp"] + shapes["ntg"], 2 * (workload.input_len if workload else 0)
                   + (workload.output_len if workload else 0)) + 64
-    seqs = max(shapes["npl"], workload.concurrency if workload else 1)
+    return max(shapes["npl"], workload.concurrency if workload else 1), max_len
+
+
+def bench(model: str, dtype: str, shapes: dict, repeats: int, extra: str = "") -> dict:
+    """The tg / pp / batch rows through one ``vllm serve`` process (S1 runs on ``s1_target``'s own server)."""
+    model_dir = export_hf_dir(model, dtype)
+    tok = str(model_dir)
     out: dict = {"weight_bytes": sum(f.stat().st_size for f in model_dir.glob("*.safetensors")), "file": model_dir.name}
-    with server(model_dir, seqs, max_len, extra) as srv:
+    with server(model_dir, *serve_limits(shapes, None), extra) as srv:
         url = srv.base_url
         bench_serve(url, Workload(2, 16, 8, 1), tok, "model", seed=99)  # warm-up
         tg, pp, batch = [], [], []
@@ -140,22 +145,25 @@ def bench(model: str, dtype: str, shapes: dict, workload: Workload | None, repea
             batch.append(shapes["npl"] * 1000.0 / res["median_tpot_ms"])
         out.update(tg=median(tg), pp=median(pp), batch=median(batch), runs={"tg": tg, "pp": pp, "batch": batch})
         log(f"  vLLM CPU: tg {out['tg']:.1f}, pp {out['pp']:.1f}, batch {out['batch']:.1f}")
-        if workload is not None:
-            out["s1"] = run_s1(url, workload, tok, repeats, model="model")
     return out
 
 
-def try_bench(model: str, dtype: str, shapes: dict, workload: Workload | None, repeats: int, extra: str = "") -> dict:
+def s1_target(name: str, model: str, dtype: str, shapes: dict, workload: Workload, extra: str = "") -> S1Target:
+    """S1's ``vllm serve`` (the model exported as for ``bench``, limits that fit the rows and S1)."""
+    model_dir = export_hf_dir(model, dtype)
+    return S1Target(name, lambda: server(model_dir, *serve_limits(shapes, workload), extra), str(model_dir), "model")
+
+
+def try_bench(model: str, dtype: str, shapes: dict, repeats: int, extra: str = "") -> dict:
     """``bench`` or {"unavailable": reason} — never raises."""
     reason = probe()
     if reason:
         return {"unavailable": reason}
     try:
-        return bench(model, dtype, shapes, workload, repeats, extra)
+        return bench(model, dtype, shapes, repeats, extra)
     except ServerError as exc:
         lines = [ln for ln in str(exc).splitlines() if ln.strip()]
         err = next((ln for ln in reversed(lines) if "Error" in ln), lines[-1] if lines else "server failed")
         return {"unavailable": f"server did not start: {err.strip()[:200]}"}
     except Exception as exc:  # noqa: BLE001 -- a peer failing must not end the comparison
-        lines = str(exc).strip().splitlines()
-        return {"unavailable": f"{type(exc).__name__}: {lines[-1][:200] if lines else ''}"}
+        return {"unavailable": last_line(exc)}
