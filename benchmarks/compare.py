@@ -38,7 +38,7 @@ import torch  # noqa: E402
 from bench_engine import measure_bandwidth  # noqa: E402
 
 from peers import llamacpp, twophase_peer, vllm_cpu  # noqa: E402
-from peers.common import S1Target, Workload, log, median, run_s1_rounds  # noqa: E402
+from peers.common import S1Target, Workload, last_line, log, median, run_s1_rounds  # noqa: E402
 from twophase.loader import open_model_source, resolve  # noqa: E402
 
 PEERS = ("twophase", "llamacpp", "vllm")
@@ -92,8 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def error_column(exc: BaseException) -> dict:
-    text = str(exc).strip().splitlines()
-    return {"unavailable": f"{type(exc).__name__}: {text[-1][:200] if text else ''}"}
+    return {"unavailable": last_line(exc)}
 
 
 def run_twophase(model: str, extra: str, shapes: dict, repeats: int) -> dict:
@@ -154,7 +153,8 @@ def paired_ratios(rounds: list[dict], ours: str, peers: list[str]) -> list[float
 
 
 def render_rounds(rounds: list[dict], columns: list[dict]) -> str:
-    """S1 round by round (output tok/s) and twophase's ratio to the best peer in each round, with their median."""
+    """S1 round by round (output tok/s) and the first twophase column's ratio to the best peer in each round, with
+    their median."""
     names = [c["name"] for c in columns if any(c["name"] in r for r in rounds)]
     ours = next((c["name"] for c in columns if c["peer"] == "twophase"), None)
     peers = [c["name"] for c in columns if c["peer"] != "twophase"]
