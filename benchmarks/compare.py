@@ -131,11 +131,11 @@ def s1_targets(columns: list[dict], model: str, source: Path, shapes: dict, work
     return targets
 
 
-def run_s1(columns: list[dict], targets: list[S1Target], workload: Workload, repeats: int) -> list[dict]:
-    """S1 on every column's server, round by round (``run_s1_rounds``); each column's medians go to its result
-    ("s1"), a server that failed to its "failed_rows". Returns each round's output tok/s by column name."""
+def run_s1(columns: list[dict], targets: list[S1Target], workload: Workload, repeats: int) -> None:
+    """S1 on every column's server, round by round (``run_s1_rounds``); each column's medians and runs go to its
+    result ("s1"), a server that failed to its "failed_rows"."""
     log(f"S1 ({workload.describe()}): {len(targets)} servers up at once, {repeats} rounds")
-    results, rounds = run_s1_rounds(targets, workload, repeats)
+    results = run_s1_rounds(targets, workload, repeats)
     for col in columns:
         got = results.get(col["name"])
         if got is None:
@@ -144,12 +144,19 @@ def run_s1(columns: list[dict], targets: list[S1Target], workload: Workload, rep
             col["result"].setdefault("failed_rows", {})["s1"] = got["error"]
         else:
             col["result"]["s1"] = got
-    return rounds
 
 
-def paired_ratios(rounds: list[dict], ours: str, peers: list[str]) -> list[float]:
-    """Per round where ours and a peer completed: our output tok/s over the best peer's in the same round."""
-    return [r[ours] / max(r[p] for p in peers if p in r) for r in rounds if ours in r and any(p in r for p in peers)]
+def s1_rounds(columns: list[dict]) -> list[dict]:
+    """Each S1 round's output tok/s by column name, from the columns' runs (a run that failed is absent)."""
+    runs = [(c["name"], run) for c in columns for run in (c["result"].get("s1") or {}).get("runs", [])]
+    count = 1 + max((run["round"] for _, run in runs), default=-1)
+    return [{name: run["output_throughput"] for name, run in runs if run["round"] == r} for r in range(count)]
+
+
+def best_peer_ratio(round_: dict, ours: str, peers: list[str]) -> float | None:
+    """Our output tok/s over the best peer's in one round; None unless ours and a peer both completed."""
+    done = [round_[p] for p in peers if p in round_]
+    return round_[ours] / max(done) if ours in round_ and done else None
 
 
 def render_rounds(rounds: list[dict], columns: list[dict]) -> str:
@@ -162,11 +169,11 @@ def render_rounds(rounds: list[dict], columns: list[dict]) -> str:
         return ""
     lines = ["S1 output tok/s round by round (every server up at once; one run each a round, order rotated):", "",
              "| round | " + " | ".join(names) + f" | {ours} / best peer |", "|" + "---|" * (len(names) + 2)]
-    for i, r in enumerate(rounds):
-        ratio = paired_ratios([r], ours, peers)
-        lines.append(f"| {i + 1} | " + " | ".join(fmt(r.get(n)) for n in names) + f" | {fmt(ratio[0], 2) if ratio else '—'} |")
-    ratios = paired_ratios(rounds, ours, peers)
-    lines += ["", f"Median of the rounds' ratios: {fmt(median(ratios), 2)} ({len(ratios)} rounds)"]
+    ratios = [best_peer_ratio(r, ours, peers) for r in rounds]
+    for i, (r, ratio) in enumerate(zip(rounds, ratios)):
+        lines.append(f"| {i + 1} | " + " | ".join(fmt(r.get(n)) for n in names) + f" | {fmt(ratio, 2)} |")
+    paired = [x for x in ratios if x is not None]
+    lines += ["", f"Median of the rounds' ratios: {fmt(median(paired), 2)} ({len(paired)} rounds)"]
     return "\n".join(lines) + "\n"
 
 
@@ -299,10 +306,9 @@ def main(argv: list[str] | None = None) -> int:
             log(f"vLLM CPU: unavailable ({res['unavailable']})")
         columns.append({"name": name, "label": "vLLM CPU", "peer": "vllm", "dtype": vllm_dtype, "result": res})
 
-    rounds = []
     if workload is not None:
-        rounds = run_s1(columns, s1_targets(columns, model, source, shapes, workload, args.vllm_args), workload,
-                        repeats)
+        run_s1(columns, s1_targets(columns, model, source, shapes, workload, args.vllm_args), workload, repeats)
+    rounds = s1_rounds(columns)
 
     for col in columns:
         res = col["result"]

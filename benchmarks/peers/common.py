@@ -176,16 +176,14 @@ class S1Target:
     model: str | None = None
 
 
-def run_s1_rounds(targets: list[S1Target], workload: Workload, repeats: int) -> tuple[dict[str, dict], list[dict]]:
+def run_s1_rounds(targets: list[S1Target], workload: Workload, repeats: int) -> dict[str, dict]:
     """S1 on every target, side by side: all the servers up at once (each warmed up with a tiny run), then
     ``repeats`` rounds, each running S1 once on every server with the same request list (seed = round), the servers'
     order rotated each round. A spell of host slowness then falls on one round of every server rather than on all
     runs of one, and each round's figures compare within the round.
 
-    Returns per target name {medians of ``S1_KEYS``, "runs"} or {"error": reason}, and per round {name: output
-    tok/s} of the runs that completed."""
+    Returns per target name {medians of ``S1_KEYS``, "runs" (each with its "round")} or {"error": reason}."""
     results: dict[str, dict] = {}
-    rounds: list[dict] = []
     with contextlib.ExitStack() as stack:
         live: list[tuple[S1Target, Server]] = []
         for target in targets:
@@ -200,21 +198,18 @@ def run_s1_rounds(targets: list[S1Target], workload: Workload, repeats: int) -> 
         runs: dict[str, list[dict]] = {target.name: [] for target, _ in live}
         for r in range(repeats):
             first = r % len(live) if live else 0
-            done: dict[str, float] = {}
             for target, server in live[first:] + live[:first]:
                 try:
                     run = s1_run(server.base_url, workload, target.tokenizer, target.model, seed=r)
                 except RuntimeError as exc:
                     log(f"  S1 round {r + 1}/{repeats}, {target.name}: {last_line(exc)}")
                     continue
-                runs[target.name].append(run)
-                done[target.name] = run["output_throughput"]
+                runs[target.name].append({**run, "round": r})
                 log(f"  S1 round {r + 1}/{repeats}, {target.name}: {run['output_throughput']:.1f} out tok/s, "
                     f"TTFT p99 {run['p99_ttft_ms']:.0f} ms, TPOT p99 {run['p99_tpot_ms']:.1f} ms, failed {run['failed']}")
-            rounds.append(done)
     for name, done_runs in runs.items():
         results[name] = {**s1_summary(done_runs), "runs": done_runs} if done_runs else {"error": "every S1 run failed"}
-    return results, rounds
+    return results
 
 
 def last_line(exc: BaseException) -> str:
