@@ -293,12 +293,13 @@ def test_paged_attention(cache_dtype: torch.dtype, block_size: int, wide: bool, 
     torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2), (10, 2)])
-def test_paged_attention_bfloat16_head_groups(heads: int, kv_heads: int) -> None:
-    """bfloat16 rows at D = 64 (on AVX-512: keys in groups of 16, a query's heads of a kv head up to three at a
-    time) with 1, 2, 4 and 5 query heads a kv head, and contexts whose last group of keys is 1 to 15 keys short,
-    against the float64 reference."""
-    q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(torch.bfloat16, 16, seed=heads + kv_heads,
+def test_paged_attention_head_groups(cache_dtype: torch.dtype, heads: int, kv_heads: int) -> None:
+    """Rows at D = 64 (a query's heads of a kv head scored and accumulated up to three at a time; on AVX-512,
+    bfloat16 keys in groups of 16) with 1, 2, 4 and 5 query heads a kv head, and contexts whose last group of keys
+    is 1 to 15 keys short, against the float64 reference."""
+    q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(cache_dtype, 16, seed=heads + kv_heads,
                                                           extra_decodes=_many_decodes() + 16, dim=64, heads=heads,
                                                           kv_heads=kv_heads)
     ref = reference_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, qsl, 16)

@@ -161,33 +161,40 @@ inline void accumulate(float* acc, float alpha, const float* p, const T* const* 
 
 // Query rows that share one key chunk (one query's heads of a kv head) are scored and accumulated up to this many at a
 // time, each key or value slab widened once for all of them; each row's arithmetic is the one-row arithmetic
-// (the same FMA chains in the same order), so grouping never changes a bit. accumulate's group keeps 8 slabs x
-// rows in registers: three rows need AVX-512's 32 vector registers.
+// (the same FMA chains in the same order), so grouping never changes a bit. accumulate's group keeps slabs x rows
+// in registers: all 8 slabs of three rows on AVX-512's 32 vector registers, half of them at a time on AVX2's 16.
 constexpr int GROUP_ROWS = 3;
 #if defined(__AVX512F__) && defined(__AVX512VL__)
-constexpr int ACCUMULATE_GROUP_ROWS = GROUP_ROWS;
+constexpr int ACCUMULATE_SLABS = 8;  // value slabs a pass of accumulate_d64 (8 x GROUP_ROWS accumulators)
 #else
-constexpr int ACCUMULATE_GROUP_ROWS = 1;
+constexpr int ACCUMULATE_SLABS = 4;
 #endif
 
 #ifdef __AVX2__
 // scores() for R rows at D == 64: s[r][j] = q[r] . K[j] (rows of q and s 64 / KEY_CHUNK apart); mx[r] = max_j.
-// Keys go four at a time, each one FMA chain over its 8 slabs, the four partial vectors reduced together (two rounds
-// of hadd, then the halves); the padding keys of the last group repeat the last key, so every key's sum is the same
-// arithmetic wherever it falls in a group, and in whichever group of rows.
+// Keys go four at a time, each one FMA chain over its 8 slabs (d ascending), the four partial vectors reduced together
+// (two rounds of hadd, then the halves); the padding keys of the last group repeat the last key, so every key's sum is
+// the same arithmetic wherever it falls in a group, and in whichever group of rows. The slabs are the outer loop: a
+// slab of the R queries is loaded once for the four keys' slabs, and R x 4 chains are in flight (keys outer, GCC
+// loaded a query slab for every FMA and ran R chains at a time). With accumulate_d64's AVX2 passes below, an engine's
+// 32-row decode step on 2 Zen 3 cores took ~2% less time, prefill ~0.6% (one process, both builds, both orders).
 template <int R, class T>
 inline void scores_d64(const float* q, const T* const* K, int64_t n, float* s, float* mx) {
   __m128 m[R];
   for (int r = 0; r < R; ++r) m[r] = _mm_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < n; j += 4) {
     const T* k[4] = {K[j], K[std::min(j + 1, n - 1)], K[std::min(j + 2, n - 1)], K[std::min(j + 3, n - 1)]};
-    __m256 part[R][4];
+    __m256 part[R][4], qd[R];
+    for (int r = 0; r < R; ++r) qd[r] = _mm256_loadu_ps(q + r * 64);
     for (int t = 0; t < 4; ++t) {
-      __m256 kd = load8(k[t]);
-      for (int r = 0; r < R; ++r) part[r][t] = _mm256_mul_ps(_mm256_loadu_ps(q + r * 64), kd);
-      for (int d = 1; d < 8; ++d) {
-        kd = load8(k[t] + 8 * d);
-        for (int r = 0; r < R; ++r) part[r][t] = _mm256_fmadd_ps(_mm256_loadu_ps(q + r * 64 + 8 * d), kd, part[r][t]);
+      const __m256 kd = load8(k[t]);
+      for (int r = 0; r < R; ++r) part[r][t] = _mm256_mul_ps(qd[r], kd);
+    }
+    for (int d = 1; d < 8; ++d) {
+      for (int r = 0; r < R; ++r) qd[r] = _mm256_loadu_ps(q + r * 64 + 8 * d);
+      for (int t = 0; t < 4; ++t) {
+        const __m256 kd = load8(k[t] + 8 * d);
+        for (int r = 0; r < R; ++r) part[r][t] = _mm256_fmadd_ps(qd[r], kd, part[r][t]);
       }
     }
     for (int r = 0; r < R; ++r) {
@@ -204,22 +211,28 @@ inline void scores_d64(const float* q, const T* const* K, int64_t n, float* s, f
 }
 
 // accumulate() for R rows at D == 64: acc[r] = acc[r] * alpha[r] + sum_j p[r][j] * V[j] (rows of acc 64 apart, of
-// p KEY_CHUNK apart).
-template <int R, class T>
+// p KEY_CHUNK apart), S slabs of 8 at a time (8 / S passes over the keys): each value slab is loaded once for the R
+// rows. S = 8 holds R x 8 accumulators (AVX-512's 32 registers); AVX2's 16 take R = 3 at S = 4, two passes. Every
+// element's arithmetic is accumulate()'s (alpha times acc, then one FMA a key in key order).
+template <int R, int S, class T>
 inline void accumulate_d64(float* acc, const float* alpha, const float* p, const T* const* V, int64_t n) {
-  __m256 a[R][8];
-  for (int r = 0; r < R; ++r)
-    for (int d = 0; d < 8; ++d) a[r][d] = _mm256_mul_ps(_mm256_set1_ps(alpha[r]), _mm256_loadu_ps(acc + r * 64 + 8 * d));
-  for (int64_t j = 0; j < n; ++j) {
-    __m256 pj[R];
-    for (int r = 0; r < R; ++r) pj[r] = _mm256_set1_ps(p[r * KEY_CHUNK + j]);
-    for (int d = 0; d < 8; ++d) {
-      const __m256 v = load8(V[j] + 8 * d);
-      for (int r = 0; r < R; ++r) a[r][d] = _mm256_fmadd_ps(pj[r], v, a[r][d]);
+  static_assert(8 % S == 0, "S slabs a pass");
+  for (int d0 = 0; d0 < 8; d0 += S) {
+    __m256 a[R][S];
+    for (int r = 0; r < R; ++r)
+      for (int d = 0; d < S; ++d)
+        a[r][d] = _mm256_mul_ps(_mm256_set1_ps(alpha[r]), _mm256_loadu_ps(acc + r * 64 + 8 * (d0 + d)));
+    for (int64_t j = 0; j < n; ++j) {
+      __m256 pj[R];
+      for (int r = 0; r < R; ++r) pj[r] = _mm256_set1_ps(p[r * KEY_CHUNK + j]);
+      for (int d = 0; d < S; ++d) {
+        const __m256 v = load8(V[j] + 8 * (d0 + d));
+        for (int r = 0; r < R; ++r) a[r][d] = _mm256_fmadd_ps(pj[r], v, a[r][d]);
+      }
     }
+    for (int r = 0; r < R; ++r)
+      for (int d = 0; d < S; ++d) _mm256_storeu_ps(acc + r * 64 + 8 * (d0 + d), a[r][d]);
   }
-  for (int r = 0; r < R; ++r)
-    for (int d = 0; d < 8; ++d) _mm256_storeu_ps(acc + r * 64 + 8 * d, a[r][d]);
 }
 #endif
 
@@ -424,11 +437,11 @@ inline void attend_rows(const T* const* K, const T* const* V, int64_t r0, int R,
     for (int r = 0; r < R; ++r) mx[r] = scores(q + r * D, K, nv, D, s + r * KEY_CHUNK, sc.row.data());
   softmax_update(r0, R, nv, mx, alpha, sc);
 #ifdef __AVX2__
-  if (D == 64 && ACCUMULATE_GROUP_ROWS == GROUP_ROWS) {
+  if (D == 64) {
     switch (R) {
-      case 1: accumulate_d64<1>(acc, alpha, s, V, nv); return;
-      case 2: accumulate_d64<2>(acc, alpha, s, V, nv); return;
-      default: accumulate_d64<ACCUMULATE_GROUP_ROWS>(acc, alpha, s, V, nv); return;
+      case 1: accumulate_d64<1, ACCUMULATE_SLABS>(acc, alpha, s, V, nv); return;
+      case 2: accumulate_d64<2, ACCUMULATE_SLABS>(acc, alpha, s, V, nv); return;
+      default: accumulate_d64<3, ACCUMULATE_SLABS>(acc, alpha, s, V, nv); return;
     }
   }
 #endif
