@@ -22,16 +22,43 @@ def admit(bm: BlockManager, req: Request) -> int:
     return num_hit
 
 
-def test_pool_lru_order_and_double_free():
+def test_pool_order_and_double_free():
     pool = BlockPool(4)
     a, b = pool.get_new_blocks(2)
     assert (a.block_id, b.block_id) == (0, 1)
     pool.free_blocks([b, a])
     pool.check_invariants()
-    # free queue: 2, 3, 1, 0 — the freed blocks go to the back in the given order
-    assert list(pool.free_queue) == [2, 3, 1, 0]
+    # uncached blocks used before come back first, the last freed first; then the fresh ones, lowest id first
+    assert pool.free_order() == [0, 1, 2, 3]
     with pytest.raises(RuntimeError, match="double free"):
         pool.free_blocks([a])
+    pool.check_invariants()
+    assert [blk.block_id for blk in pool.get_new_blocks(3)] == [0, 1, 2]
+    pool.check_invariants()
+
+
+def test_pool_reuses_used_blocks_before_fresh_ones_and_evicts_cached_ones_last():
+    """A workload that frees what it used never walks into fresh blocks (whose memory may be unmapped); cached
+    blocks are evicted only when nothing else is free, the least recently freed first."""
+    pool = BlockPool(6)
+    cached = pool.get_new_blocks(2)  # 0, 1
+    for i, blk in enumerate(cached):
+        pool.cache_block(blk, bytes([i]) * 32)
+    plain = pool.get_new_blocks(2)  # 2, 3
+    pool.free_blocks(cached)
+    pool.free_blocks(plain)
+    pool.check_invariants()
+    assert pool.free_order() == [3, 2, 4, 5, 0, 1]
+    for _ in range(3):  # allocate and free the same amount again and again: blocks 3 and 2 every time
+        again = pool.get_new_blocks(2)
+        assert [blk.block_id for blk in again] == [3, 2]
+        pool.free_blocks(reversed(again))
+    assert pool.get_cached_block(bytes([0]) * 32) is cached[0]
+    taken = pool.get_new_blocks(5)  # 3, 2, then the fresh 4, 5, then the oldest cached block, evicted
+    assert [blk.block_id for blk in taken] == [3, 2, 4, 5, 0]
+    assert pool.get_cached_block(bytes([0]) * 32) is None and pool.get_cached_block(bytes([1]) * 32) is cached[1]
+    pool.check_invariants()
+    assert pool.evict_all_cached() == 1 and pool.free_order() == [1]
     pool.check_invariants()
 
 
@@ -56,8 +83,8 @@ def test_allocate_exact_ids_and_free_order():
     assert bm.pool.blocks[2].block_hash is None
     bm.free(r1)
     bm.check_invariants(live_request_ids=set())
-    # freed tail first: 3..7 untouched, then 2, 1, 0
-    assert list(bm.pool.free_queue) == [3, 4, 5, 6, 7, 2, 1, 0]
+    # the uncached partial block first, then 3..7 untouched, then the cached 1, 0 (freed tail first)
+    assert bm.pool.free_order() == [2, 3, 4, 5, 6, 7, 1, 0]
 
 
 def test_prefix_hit_shares_blocks_and_counts_refs():
@@ -86,12 +113,12 @@ def test_cached_blocks_survive_free_until_evicted_lru():
     r1 = make_request("r1", list(range(9)))  # 3 blocks: [0, 1] full, [2] partial
     admit(bm, r1)
     bm.free(r1)
-    # free queue: 3, 2, 1, 0 → a new 1-block request takes 3 (uncached), hit still possible
+    # free order: 2 (used, uncached), 3 (fresh), 1, 0 (cached) → a request needing one new block takes 2; hit kept
     r2 = make_request("r2", list(range(8)) + [7, 7])
     assert admit(bm, r2) == 8
-    assert bm.block_ids("r2") == [0, 1, 3]
+    assert bm.block_ids("r2") == [0, 1, 2]
     bm.free(r2)
-    # queue now: 2, 3, 1, 0; a 4-block request of other tokens evicts everything, oldest first
+    # free order again 2, 3, 1, 0; a 4-block request of other tokens evicts the cached ones last, oldest first
     r3 = make_request("r3", [100 + i for i in range(16)])
     assert admit(bm, r3) == 0
     assert bm.block_ids("r3") == [2, 3, 1, 0]
