@@ -1,4 +1,4 @@
-"""The pool of KV blocks: reference counts, the free blocks in the order they are handed out, and the hash → block map.
+"""The pool of KV blocks: reference counts, the free blocks in the order they go out, and the hash → block map.
 
 No torch here: a block is an id; the tensors that hold its K/V live in the model runner.
 """
