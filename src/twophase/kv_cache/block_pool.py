@@ -138,10 +138,11 @@ class BlockPool:
     def check_invariants(self) -> None:
         """Assert the pool's books balance (called by tests after every operation)."""
         in_use = sum(1 for b in self.blocks if b.ref_cnt > 0)
-        assert in_use + self.num_free_blocks == self.num_blocks, "free + in use != total"
-        assert len(set(self.free_order())) == self.num_free_blocks, "a block free twice"
+        order = self.free_order()
+        assert in_use + len(order) == self.num_blocks, "free + in use != total"
+        assert len(set(order)) == len(order), "a block free twice"
         assert all(b.ref_cnt >= 0 for b in self.blocks), "negative ref count"
-        free = [self.blocks[i] for i in self.free_order()]
+        free = [self.blocks[i] for i in order]
         assert all(b.ref_cnt == 0 for b in free), "owned block among the free"
         assert all(b.block_hash is not None for b in self.free_queue.values()), "uncached block in the free queue"
         assert all(b.block_hash is None for b in self.reusable), "cached block among the reusable"

@@ -165,10 +165,12 @@ inline void accumulate(float* acc, float alpha, const float* p, const T* const* 
 // in registers: all 8 slabs of three rows on AVX-512's 32 vector registers, half of them at a time on AVX2's 16.
 constexpr int GROUP_ROWS = 3;
 #if defined(__AVX512F__) && defined(__AVX512VL__)
-constexpr int ACCUMULATE_SLABS = 8;  // value slabs a pass of accumulate_d64 (8 x GROUP_ROWS accumulators)
+constexpr int ACCUMULATOR_REGISTERS = 24;  // of 32 vector registers
 #else
-constexpr int ACCUMULATE_SLABS = 4;
+constexpr int ACCUMULATOR_REGISTERS = 12;  // of 16
 #endif
+// Value slabs a pass of accumulate_d64 for R rows: all 8 where R x 8 accumulators fit, else 4 (two passes).
+constexpr int accumulate_slabs(int R) { return R * 8 <= ACCUMULATOR_REGISTERS ? 8 : 4; }
 
 #ifdef __AVX2__
 // scores() for R rows at D == 64: s[r][j] = q[r] . K[j] (rows of q and s 64 / KEY_CHUNK apart); mx[r] = max_j.
@@ -211,9 +213,9 @@ inline void scores_d64(const float* q, const T* const* K, int64_t n, float* s, f
 }
 
 // accumulate() for R rows at D == 64: acc[r] = acc[r] * alpha[r] + sum_j p[r][j] * V[j] (rows of acc 64 apart, of
-// p KEY_CHUNK apart), S slabs of 8 at a time (8 / S passes over the keys): each value slab is loaded once for the R
-// rows. S = 8 holds R x 8 accumulators (AVX-512's 32 registers); AVX2's 16 take R = 3 at S = 4, two passes. Every
-// element's arithmetic is accumulate()'s (alpha times acc, then one FMA a key in key order).
+// p KEY_CHUNK apart), S slabs of 8 at a time (8 / S passes over the keys, S = accumulate_slabs(R)): each value slab
+// is loaded once for the R rows. Every element's arithmetic is accumulate()'s (alpha times acc, then one FMA a key in
+// key order).
 template <int R, int S, class T>
 inline void accumulate_d64(float* acc, const float* alpha, const float* p, const T* const* V, int64_t n) {
   static_assert(8 % S == 0, "S slabs a pass");
@@ -439,9 +441,9 @@ inline void attend_rows(const T* const* K, const T* const* V, int64_t r0, int R,
 #ifdef __AVX2__
   if (D == 64) {
     switch (R) {
-      case 1: accumulate_d64<1, ACCUMULATE_SLABS>(acc, alpha, s, V, nv); return;
-      case 2: accumulate_d64<2, ACCUMULATE_SLABS>(acc, alpha, s, V, nv); return;
-      default: accumulate_d64<3, ACCUMULATE_SLABS>(acc, alpha, s, V, nv); return;
+      case 1: accumulate_d64<1, accumulate_slabs(1)>(acc, alpha, s, V, nv); return;
+      case 2: accumulate_d64<2, accumulate_slabs(2)>(acc, alpha, s, V, nv); return;
+      default: accumulate_d64<3, accumulate_slabs(3)>(acc, alpha, s, V, nv); return;
     }
   }
 #endif
