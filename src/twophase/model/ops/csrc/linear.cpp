@@ -433,17 +433,27 @@ constexpr int64_t panel_stride(int64_t K) {
 #define TP_IN_REGISTER(v) (void)0
 #endif
 
-// acc[m][0..23] of one panel's 24 columns for MR rows of x packed k-major (xp[k * MR + m]). The accumulators are
-// named variables, not an array: GCC kept an array's 12 vectors in registers but stored them to the stack on every k
-// (54 instead of ~145 GFLOP/s at 32 rows).
+// A tile's rows of x: element (m, k) at x[k * k_step + m * row_step]. Rows in place: k_step 1, row_step K; packed
+// k-major per block of 4 rows (pack_rows_k_major): k_step = the block's rows, row_step 1.
+struct XRows {
+  const float* x;
+  int64_t k_step, row_step;
+};
+
+// acc[m][0..23] of one panel's 24 columns for MR rows of x (xr). The accumulators are named variables, not an array:
+// GCC kept an array's 12 vectors in registers but stored them to the stack on every k (54 instead of ~145 GFLOP/s at
+// 32 rows). Each k broadcasts one value of each row from wherever the rows lie: the AVX2 tile reads them in place,
+// the 4 rows' next values (16-24 KB of x at most) staying in L1 beside the panel.
 template <class W, int MR>
-inline void panel_tile(const float* xp, const typename W::T* wp, int64_t K, float (&acc)[MR][kPanel]) {
+inline void panel_tile(XRows xr, const typename W::T* wp, int64_t K, float (&acc)[MR][kPanel]) {
   static_assert(MR >= 1 && MR <= 4, "tiles of 1-4 rows");
+  const float* xp = xr.x;
+  const int64_t r1 = xr.row_step, r2 = 2 * xr.row_step, r3 = 3 * xr.row_step;
 #ifdef __AVX2__
   const __m256 zero = _mm256_setzero_ps();
   __m256 c00 = zero, c01 = zero, c02 = zero, c10 = zero, c11 = zero, c12 = zero;
   __m256 c20 = zero, c21 = zero, c22 = zero, c30 = zero, c31 = zero, c32 = zero;
-  for (int64_t k = 0; k < K; ++k, wp += kPanel, xp += MR) {
+  for (int64_t k = 0; k < K; ++k, wp += kPanel, xp += xr.k_step) {
     __m256 w0 = W::eight(wp), w1 = W::eight(wp + 8), w2 = W::eight(wp + 16);
     TP_IN_REGISTER(w0);
     TP_IN_REGISTER(w1);
@@ -451,15 +461,15 @@ inline void panel_tile(const float* xp, const typename W::T* wp, int64_t K, floa
     __m256 b = _mm256_broadcast_ss(xp);
     c00 = _mm256_fmadd_ps(b, w0, c00), c01 = _mm256_fmadd_ps(b, w1, c01), c02 = _mm256_fmadd_ps(b, w2, c02);
     if constexpr (MR > 1) {
-      b = _mm256_broadcast_ss(xp + 1);
+      b = _mm256_broadcast_ss(xp + r1);
       c10 = _mm256_fmadd_ps(b, w0, c10), c11 = _mm256_fmadd_ps(b, w1, c11), c12 = _mm256_fmadd_ps(b, w2, c12);
     }
     if constexpr (MR > 2) {
-      b = _mm256_broadcast_ss(xp + 2);
+      b = _mm256_broadcast_ss(xp + r2);
       c20 = _mm256_fmadd_ps(b, w0, c20), c21 = _mm256_fmadd_ps(b, w1, c21), c22 = _mm256_fmadd_ps(b, w2, c22);
     }
     if constexpr (MR > 3) {
-      b = _mm256_broadcast_ss(xp + 3);
+      b = _mm256_broadcast_ss(xp + r3);
       c30 = _mm256_fmadd_ps(b, w0, c30), c31 = _mm256_fmadd_ps(b, w1, c31), c32 = _mm256_fmadd_ps(b, w2, c32);
     }
   }
@@ -469,9 +479,10 @@ inline void panel_tile(const float* xp, const typename W::T* wp, int64_t K, floa
 #else
   for (int m = 0; m < MR; ++m)
     for (int j = 0; j < kPanel; ++j) acc[m][j] = 0.f;
-  for (int64_t k = 0; k < K; ++k, wp += kPanel, xp += MR)
+  (void)r2, (void)r3;
+  for (int64_t k = 0; k < K; ++k, wp += kPanel, xp += xr.k_step)
     for (int m = 0; m < MR; ++m)
-      for (int j = 0; j < kPanel; ++j) acc[m][j] = std::fma(xp[m], W::one(wp + j), acc[m][j]);
+      for (int j = 0; j < kPanel; ++j) acc[m][j] = std::fma(xp[m * r1], W::one(wp + j), acc[m][j]);
 #endif
 }
 
@@ -549,7 +560,7 @@ inline void panel_row_two_chains(const float* x, const typename W::T* wp, int64_
   _mm256_storeu_ps(acc[0] + 8, _mm256_add_ps(a1, b1));
   _mm256_storeu_ps(acc[0] + 16, _mm256_add_ps(a2, b2));
 #else
-  panel_tile<W, 1>(x, wp, K, acc);
+  panel_tile<W, 1>(XRows{x, 1, K}, wp, K, acc);
 #endif
 }
 
@@ -645,10 +656,9 @@ inline void store_panel(const PanelProblem<W>& p, int64_t m0, int64_t panel, con
 
 // Rows m0 .. m0 + MR of one panel, its weights at wp (the panel itself, or its float32 copy: WT = WF32).
 template <class WT, int MR, class W>
-inline void panel_block(const PanelProblem<W>& p, const typename WT::T* wp, const float* xp, int64_t m0,
-                        int64_t panel) {
+inline void panel_block(const PanelProblem<W>& p, const typename WT::T* wp, XRows xr, int64_t m0, int64_t panel) {
   float acc[MR][kPanel];
-  panel_tile<WT, MR>(xp, wp, p.K, acc);
+  panel_tile<WT, MR>(xr, wp, p.K, acc);
   store_panel<W, MR>(p, m0, panel, acc);
 }
 
@@ -726,13 +736,13 @@ inline void to_float_panel(const typename W::T* wp, int64_t K, float* out) {
 
 // panel_block for the 1-4 rows left at m0.
 template <class WT, class W>
-inline void panel_rows(const PanelProblem<W>& p, const typename WT::T* wp, const float* xb, int64_t m0, int64_t q,
+inline void panel_rows(const PanelProblem<W>& p, const typename WT::T* wp, XRows xr, int64_t m0, int64_t q,
                        int64_t rows) {
   switch (rows) {
-    case 4: panel_block<WT, 4>(p, wp, xb, m0, q); break;
-    case 3: panel_block<WT, 3>(p, wp, xb, m0, q); break;
-    case 2: panel_block<WT, 2>(p, wp, xb, m0, q); break;
-    default: panel_block<WT, 1>(p, wp, xb, m0, q);
+    case 4: panel_block<WT, 4>(p, wp, xr, m0, q); break;
+    case 3: panel_block<WT, 3>(p, wp, xr, m0, q); break;
+    case 2: panel_block<WT, 2>(p, wp, xr, m0, q); break;
+    default: panel_block<WT, 1>(p, wp, xr, m0, q);
   }
 }
 
@@ -746,9 +756,9 @@ constexpr int64_t kPanelGroupsPerThread = 8;
 
 constexpr bool kPairTiles = TP_PAIR_TILES;  // whether panel_run takes pairs of panels (panel_pairs)
 
-// Rows c0 .. c1 of the whole pairs of panels in q0 .. q1, float32 weights (W itself, or widened into wf, room for
-// two panels): 8 rows at a time by panel_pair_tile8, the rows left by panel_tile per panel. Returns the first
-// panel not done (q1, or the odd one left).
+// Rows c0 .. c1 (x packed: pack_rows_k_major) of the whole pairs of panels in q0 .. q1, float32 weights (W itself,
+// or widened into wf, room for two panels): 8 rows at a time by panel_pair_tile8, the rows left by panel_tile per
+// panel. Returns the first panel not done (q1, or the odd one left).
 template <class W>
 int64_t panel_pairs(const PanelProblem<W>& p, const float* xp, int64_t c0, int64_t c1, int64_t q0, int64_t q1,
                     float* wf) {
@@ -773,8 +783,9 @@ int64_t panel_pairs(const PanelProblem<W>& p, const float* xp, int64_t c0, int64
     }
     for (; m0 < c1; m0 += 4) {
       const int64_t rows = std::min<int64_t>(4, c1 - m0);
-      panel_rows<WF32>(p, fa, xp + m0 * p.K, m0, q, rows);
-      panel_rows<WF32>(p, fb, xp + m0 * p.K, m0, q + 1, rows);
+      const XRows xr{xp + m0 * p.K, rows, 1};
+      panel_rows<WF32>(p, fa, xr, m0, q, rows);
+      panel_rows<WF32>(p, fb, xr, m0, q + 1, rows);
     }
   }
 #else
@@ -796,7 +807,12 @@ void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
   // a few rows through block panels, without batch invariance: folded, kFoldRows at a time (block_rows_folded)
   constexpr bool blocks = BlockPanel<W>::value;
   const bool folded = blocks && folding_supported() && !batch_invariant && p.M <= kFoldMaxRows;
-  const float* xp = p.M == 1 || folded ? x : pack_rows_k_major(x, p.M, p.K);
+  // Only the AVX-512 pair tiles read x packed k-major per 4 rows; the other kernels read the rows in place.
+  const bool packed = kPairTiles && !two_chains && !folded;
+  const float* xp = packed ? pack_rows_k_major(x, p.M, p.K) : x;
+  auto rows_at = [&](int64_t m0, int64_t rows) {
+    return packed ? XRows{xp + m0 * p.K, rows, 1} : XRows{x + m0 * p.K, 1, p.K};
+  };
   const float* xsum = nullptr;  // the folded kernels' block sums of the rows
   if constexpr (blocks) {
     if (W::has_min && folded) xsum = block_sums(x, p.M, p.K);
@@ -851,10 +867,9 @@ void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
       }
       if (wf) to_float_panel<W>(wq, p.K, wf);
       for (int64_t m0 = c0; m0 < c1; m0 += 4) {
-        const float* xb = xp + m0 * p.K;
         const int64_t rows = std::min<int64_t>(4, p.M - m0);
-        if (wf) panel_rows<WF32>(p, wf, xb, m0, q, rows);
-        else if constexpr (!blocks) panel_rows<W>(p, wq, xb, m0, q, rows);
+        if (wf) panel_rows<WF32>(p, wf, rows_at(m0, rows), m0, q, rows);
+        else if constexpr (!blocks) panel_rows<W>(p, wq, rows_at(m0, rows), m0, q, rows);
       }
     }
   });
