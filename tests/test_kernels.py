@@ -149,6 +149,35 @@ def test_panels_hold_the_weight_and_check_their_arguments() -> None:
         K.panel_linear(torch.randn(1, 7), panels, 50, scale=torch.ones(50))
 
 
+@pytest.mark.parametrize("fmt", ["fp32", "int8", "q8_0", "q4_1"])
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_gated_projection_gives_silu_and_mul_of_the_projection_bit_for_bit(fmt: str, batch_invariant: bool) -> None:
+    """A gate / up projection's ``silu_gated`` (SiLU-and-mul applied as the panel kernels store; what the decoder stack
+    and the layers call) equals ``silu_and_mul`` of the projection's output bit for bit: at one row (two chains),
+    the folded rows of block panels (2, 3), every tile height and past a row chunk (300 > 256); with whole panels a
+    half (N = 96, 144) and without (N = 50: the two ops in turn); with a bias (panels and int8)."""
+    g = torch.Generator().manual_seed(11)
+    k = 96
+    for n in (96, 144, 50):
+        w = torch.randn(n, k, generator=g)
+        bias = torch.randn(n, generator=g) if fmt in ("fp32", "int8") else None
+        if fmt == "fp32":
+            op = K.LinearOp("panels", [panels_of(w)], bias, batch_invariant, n)
+        elif fmt == "int8":
+            q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+            op = K.LinearOp("int8", [panels_of(q), torch.rand(n, generator=g) / 32], bias, batch_invariant, n)
+        else:
+            packed = quantize_q8_0(w) if fmt == "q8_0" else quantize_q4_1(w)
+            panels = torch.empty(K.block_panel_shape(fmt, n, k), dtype=torch.uint8)
+            K.pack_block_panels_(panels, fmt, list(packed))
+            op = K.LinearOp("block_panels", [panels], bias, batch_invariant, n)
+        for m in (1, 2, 3, 5, 32, 300):
+            x = torch.randn(m, k, generator=g) * 3
+            gated = op.silu_gated(x)
+            assert gated.shape == (m, n // 2)
+            assert torch.equal(gated, K.silu_and_mul(op(x))), (n, m)
+
+
 @pytest.mark.parametrize("m", [1, 3, 17, 64])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_panel_linear_int8(m: int, with_bias: bool) -> None:

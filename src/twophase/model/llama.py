@@ -54,7 +54,7 @@ class LlamaMLP(DirectCallModule):
 
     def forward(self, x: torch.Tensor, ops: LayerOps) -> torch.Tensor:
         """x [T, hidden] → [T, hidden]."""
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2 * inter] → [T, inter] → [T, hidden]
+        return self.down_proj(ops.gated(self.gate_up_proj, x))  # [T, 2 * inter] → [T, inter] → [T, hidden]
 
 
 class LlamaDecoderLayer(DirectCallModule):

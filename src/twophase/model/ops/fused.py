@@ -66,6 +66,15 @@ class LayerOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gated(self, gate_up_proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """silu_and_mul(gate_up_proj(x)), x [T, H] → [T, F]. Where the projection's kernel (its ``op``) takes x
+        (float32, at most its ``max_rows`` rows), in one call that applies SiLU-and-mul as it stores (the same bits,
+        without the [T, 2F] product; the decoder stack calls the same); else the two in turn."""
+        op = getattr(gate_up_proj, "op", None)
+        if op is not None and self.uses_kernels(x) and x.dtype == torch.float32 and x.shape[0] <= gate_up_proj.max_rows:
+            return op.silu_gated(x)
+        return self.silu_and_mul(gate_up_proj(x))
+
     def rotary_cache_(
         self,
         qkv: torch.Tensor,  # [T, (H + 2 KVH) * D], rotated in place

@@ -13,12 +13,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("panel_shape", &tp::panel_shape, "shape of the column panels of a weight [n, k]", py::arg("n"), py::arg("k"));
   m.def("panel_linear", &tp::panel_linear, "y = (x @ w.T) * scale + bias for w in column panels (n: w's rows)",
         py::arg("x"), py::arg("panels"), py::arg("n"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false,
-        py::arg("scale") = py::none());
+        py::arg("scale") = py::none(), py::arg("gated") = false);
   m.def("block_panel_shape", &tp::block_panel_shape, "shape of the block panels of a q8_0 / q4_1 weight [n, k]",
         py::arg("fmt"), py::arg("n"), py::arg("k"));
   m.def("block_panel_linear", &tp::block_panel_linear,
         "y = x @ w.T + bias for a float32 w kept as q8_0 / q4_1 block panels (the float32 panels' bits)", py::arg("x"),
-        py::arg("panels"), py::arg("n"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false);
+        py::arg("panels"), py::arg("n"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false,
+        py::arg("gated") = false);
   m.def("widen_block_panels", &tp::widen_block_panels, "block panels -> the float32 column panels [P, K, 24]",
         py::arg("panels"));
   m.def("pack_block_panels_", &tp::pack_block_panels_, "q8_0 (qs, d) / q4_1 (qs, d, m) of a weight -> its block panels",
@@ -62,6 +63,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("kind"), py::arg("tensors"), py::arg("bias") = py::none(), py::arg("batch_invariant") = false,
            py::arg("out_features") = 0)
       .def("__call__", &tp::LinearOp::operator(), py::arg("x"), py::call_guard<py::gil_scoped_release>())
+      .def("silu_gated", &tp::LinearOp::silu_gated, py::arg("x"), py::call_guard<py::gil_scoped_release>())
       .def("set_gemm_weight", &tp::LinearOp::set_gemm_weight, py::arg("weight"), py::arg("min_rows"),
            py::arg("packed") = py::none(), py::arg("packed_max_rows") = 0)
       .def("set_dot_weight", &tp::LinearOp::set_dot_weight, py::arg("dot"), py::arg("max_rows"));

@@ -118,7 +118,17 @@ inline __m256 exp256(__m256 x) {
   e = _mm256_slli_epi32(e, 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
+
+// silu(g) for 8 floats: g / (1 + exp(-g)). silu_and_mul (fused.cpp) and the gate / up projection that applies it as
+// it stores (linear.cpp: silu_gated) both take it, so the two give the same bits.
+inline __m256 silu8(__m256 g) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
+}
 #endif
+
+// silu(g) of one float without AVX2 (silu8's formula with the C library's exp).
+inline float silu_one(float g) { return g / (1.0f + std::exp(-g)); }
 
 #ifdef __AVX2__
 // f32_to_bf16 of 8 floats (the same bits, NaN and subnormals included: AVX512-BF16's vcvtneps2bf16 would flush

@@ -90,14 +90,6 @@ void add_norm_impl(const at::Tensor& x, const at::Tensor& residual, const at::Te
   });
 }
 
-#ifdef __AVX2__
-// silu(g) for 8 floats: g / (1 + exp(-g)).
-inline __m256 silu8(__m256 g) {
-  const __m256 one = _mm256_set1_ps(1.0f);
-  return _mm256_div_ps(g, _mm256_add_ps(one, exp256(_mm256_sub_ps(_mm256_setzero_ps(), g))));
-}
-#endif
-
 // body(g, u, o, f) for every row of gate_up [T, 2F] and out [T, F]: g / u the row's gate and up halves, o its output.
 template <class In, class Out, class Body>
 void for_gate_up_rows(const at::Tensor& gu, at::Tensor& out, Body&& body) {
@@ -125,7 +117,7 @@ void silu_mul_impl(const at::Tensor& gu, at::Tensor& out) {
 #endif
     for (; i < f; ++i) {
       const float v = load(g, i);
-      store(o, i, round_to(v / (1.0f + std::exp(-v)), g) * load(u, i));
+      store(o, i, round_to(silu_one(v), g) * load(u, i));
     }
   });
 }

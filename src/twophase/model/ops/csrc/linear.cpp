@@ -316,8 +316,19 @@ struct PanelProblem {
   const typename W::T* panels;  // [ceil(N / 24), K, 24]
   const float* scale;           // [N] or nullptr (int8: one scale per output)
   const float* bias;            // [N] or nullptr
-  float* y;                     // [M, N]
+  float* y;                     // [M, N]; [M, N / 2] where gated
+  int64_t gate_panels = 0;      // gated: N / 48, the panels of W's gate half (see physical_panel)
 };
+
+// The panel at position q of a projection's panel order: panel q itself, or, for a gate / up projection whose outputs
+// go straight through SiLU-and-mul (gate_panels > 0: y = silu(x Wg^T) * (x Wu^T)), gate panel i at 2i and up panel
+// i at 2i + 1. A thread then computes a row chunk's gate and up values of the same 24 outputs one after the other
+// (store_panel), and the [M, N] product never exists: a prefill chunk of 2048 rows wrote and read back 25 MB of it
+// a layer for the default model, and its SiLU-and-mul was a pass of its own.
+template <class W>
+inline int64_t physical_panel(const PanelProblem<W>& p, int64_t q) {
+  return p.gate_panels == 0 ? q : q % 2 == 0 ? q / 2 : p.gate_panels + q / 2;
+}
 
 // ---- GGUF blocks in column panels: float32 weights read at a quarter of their bytes or less ------------------
 // A float32 weight dequantised from Q8_0 / Q4_1 blocks is exactly d * q (+ m) in float32: a float16 d times a 4- or
@@ -639,17 +650,54 @@ inline void block_rows_folded(const float* x, const float* xsum, const uint8_t* 
 #endif
 }
 
-// y[m0 .. m0 + MR)[panel's columns] = acc * scale + bias (only the columns below N).
+// n floats of this thread's scratch buffer number Slot, kept between calls and grown as needed, never initialised:
+// a fresh vector per call (a prefill chunk's packed rows are megabytes) was mapped and zeroed by the C library on
+// every call of every projection.
+template <int Slot>
+float* thread_scratch(int64_t n) {
+  thread_local std::unique_ptr<float[]> buffer;
+  thread_local int64_t capacity = 0;
+  if (capacity < n) buffer.reset(new float[n]), capacity = n;
+  return buffer.get();
+}
+
+// Rows of x per pass over a thread's panels: the rows' values stay in cache while the panels stream.
+constexpr int64_t kPanelRowChunk = 256;
+
+// Where gated, a gate panel's values wait for its up panel's in this thread's scratch, row m at m % kPanelRowChunk.
+inline float* gate_values(int64_t m) {
+  return thread_scratch<3>(kPanelRowChunk * kPanel) + m % kPanelRowChunk * kPanel;
+}
+
+// out[j] = silu(g[j]) * u[j] for one panel's 24 outputs: silu_and_mul's arithmetic (fused.cpp), the same bits.
+inline void silu_mul_panel(const float* g, const float* u, float* out) {
+#ifdef __AVX2__
+  for (int c = 0; c < kPanel; c += 8)
+    _mm256_storeu_ps(out + c, _mm256_mul_ps(silu8(_mm256_loadu_ps(g + c)), _mm256_loadu_ps(u + c)));
+#else
+  for (int c = 0; c < kPanel; ++c) out[c] = silu_one(g[c]) * u[c];
+#endif
+}
+
+// y[m0 .. m0 + MR)[panel's columns] = acc * scale + bias (only the columns below N); gated: a gate panel's values
+// wait (gate_values), an up panel's meet them in y = silu(gate) * up.
 template <class W, int MR>
 inline void store_panel(const PanelProblem<W>& p, int64_t m0, int64_t panel, const float (&acc)[MR][kPanel]) {
-  const int64_t n0 = panel * kPanel, cols = std::min(kPanel, p.N - n0);
+  const int64_t n0 = physical_panel(p, panel) * kPanel, cols = std::min(kPanel, p.N - n0);
+  const bool up = p.gate_panels > 0 && panel % 2 == 1;
+  float* gates = p.gate_panels > 0 ? gate_values(m0) : nullptr;  // the tile's rows lie in one row chunk
   for (int m = 0; m < MR; ++m) {
-    float* yr = p.y + (m0 + m) * p.N + n0;
+    float up_values[kPanel];
+    float* yr = p.gate_panels == 0 ? p.y + (m0 + m) * p.N + n0 : up ? up_values : gates + m * kPanel;
     for (int64_t j = 0; j < cols; ++j) {
       float v = acc[m][j];
       if (p.scale) v *= p.scale[n0 + j];
       if (p.bias) v += p.bias[n0 + j];
       yr[j] = v;
+    }
+    if (up) {  // output column (n0 / 24 - gate_panels) * 24 of y [M, N / 2]
+      float* out = p.y + (m0 + m) * (p.N / 2) + (n0 / kPanel - p.gate_panels) * kPanel;
+      silu_mul_panel(gates + m * kPanel, up_values, out);
     }
   }
 }
@@ -660,17 +708,6 @@ inline void panel_block(const PanelProblem<W>& p, const typename WT::T* wp, XRow
   float acc[MR][kPanel];
   panel_tile<WT, MR>(xr, wp, p.K, acc);
   store_panel<W, MR>(p, m0, panel, acc);
-}
-
-// n floats of this thread's scratch buffer number Slot, kept between calls and grown as needed, never initialised:
-// a fresh vector per call (a prefill chunk's packed rows are megabytes) was mapped and zeroed by the C library on
-// every call of every projection.
-template <int Slot>
-float* thread_scratch(int64_t n) {
-  thread_local std::unique_ptr<float[]> buffer;
-  thread_local int64_t capacity = 0;
-  if (capacity < n) buffer.reset(new float[n]), capacity = n;
-  return buffer.get();
 }
 
 // The sums of each row of x [M, K] over each block of 32 k, in order: the folded kernels' min term ([M, K / 32]).
@@ -749,8 +786,6 @@ inline void panel_rows(const PanelProblem<W>& p, const typename WT::T* wp, XRows
 // Rows beyond which bfloat16 / int8 panels are converted to float32 once per pass (see panel_run).
 constexpr int64_t kConvertRows = 8;
 
-// Rows of x per pass over a thread's panels: the packed rows stay in cache while the panels stream.
-constexpr int64_t kPanelRowChunk = 256;
 // Groups of panels per thread that one projection is cut into for dynamic scheduling (see panel_run).
 constexpr int64_t kPanelGroupsPerThread = 8;
 
@@ -765,14 +800,15 @@ int64_t panel_pairs(const PanelProblem<W>& p, const float* xp, int64_t c0, int64
   int64_t q = q0;
 #if TP_PAIR_TILES
   for (; q + 2 <= q1; q += 2) {
-    const typename W::T* wq = p.panels + q * panel_stride<W>(p.K);
+    const typename W::T* wa = p.panels + physical_panel(p, q) * panel_stride<W>(p.K);
+    const typename W::T* wb = p.panels + physical_panel(p, q + 1) * panel_stride<W>(p.K);
     const float *fa, *fb;
     if (wf) {
-      to_float_panel<W>(wq, p.K, wf);
-      to_float_panel<W>(wq + panel_stride<W>(p.K), p.K, wf + p.K * kPanel);
+      to_float_panel<W>(wa, p.K, wf);
+      to_float_panel<W>(wb, p.K, wf + p.K * kPanel);
       fa = wf, fb = wf + p.K * kPanel;
     } else {
-      fa = reinterpret_cast<const float*>(wq), fb = fa + p.K * kPanel;
+      fa = reinterpret_cast<const float*>(wa), fb = reinterpret_cast<const float*>(wb);
     }
     int64_t m0 = c0;
     for (; m0 + 8 <= c1; m0 += 8) {
@@ -800,7 +836,7 @@ void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
   // Groups of panels (times chunks of rows) go to the threads as they finish the ones before
   // (dynamic_for): a static half each left one core idle ~12% of a profiled batch-32 decode step.
   int64_t group = std::max<int64_t>(1, panels / (kPanelGroupsPerThread * at::get_num_threads()));
-  if (kPairTiles) group += group % 2;  // whole pairs of panels in a group (panel_pairs)
+  if (kPairTiles || p.gate_panels) group += group % 2;  // whole pairs of panels in a group (panel_pairs; gated)
   const int64_t groups = (panels + group - 1) / group;
   // One row is already k-major, so it is not packed; without batch invariance it takes the two-chain kernel.
   const bool two_chains = p.M == 1 && !batch_invariant;
@@ -839,7 +875,7 @@ void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
       if (!two_chains && (wf || std::is_same_v<W, WF32>)) q = panel_pairs(p, xp, c0, c1, q0, q1, wf);
     }
     for (; q < q1; ++q) {
-      const typename W::T* wq = p.panels + q * panel_stride<W>(p.K);
+      const typename W::T* wq = p.panels + physical_panel(p, q) * panel_stride<W>(p.K);
       if constexpr (blocks) {
         if (folded) {
           for (int64_t m0 = 0; m0 < p.M; m0 += kFoldRows) {
@@ -892,6 +928,14 @@ const float* prep_vec(const c10::optional<at::Tensor>& t, int64_t N, const char*
 Problem make_problem(const at::Tensor& x, int64_t N, at::Tensor& y) {
   y = at::empty({x.size(0), N}, x.options());
   return Problem{x.size(0), N, x.size(1), x.data_ptr<float>(), nullptr, y.data_ptr<float>()};
+}
+
+// Whether a gate / up projection of N outputs goes through SiLU-and-mul as it is stored: whole panels a half.
+bool gates_in_panels(int64_t N) { return N % (2 * kPanel) == 0; }
+
+// The output of a panel projection of N outputs: y [M, N], or [M, N / 2] gated (gates_in_panels).
+at::Tensor panel_output(const at::Tensor& x, int64_t N, bool gated) {
+  return at::empty({x.size(0), gated ? N / 2 : N}, x.options());
 }
 
 }  // namespace
@@ -965,25 +1009,28 @@ std::vector<int64_t> panel_shape(int64_t N, int64_t K) { return {(N + kPanel - 1
 // y = (x @ W.T) * scale + bias for W in column panels (linear.py: pack_panels); x fp32 [M, K]; n: W's rows (N); scale: [N], int8 only.
 at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t n,
                         const c10::optional<at::Tensor>& bias, bool batch_invariant,
-                        const c10::optional<at::Tensor>& scale) {
+                        const c10::optional<at::Tensor>& scale, bool gated) {
+  if (gated && !gates_in_panels(n)) return silu_and_mul(panel_linear(x_in, panels, n, bias, batch_invariant, scale));
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous(),
               "panels must be a contiguous [P, K, 24] tensor from pack_panels_");
   TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == panels.size(0), "n = ", n, " does not fit ", panels.size(0),
               " panels");
   const int64_t K = panels.size(1);
-  at::Tensor x = prep_x(x_in, K), y, bk, sk;
-  Problem q = make_problem(x, n, y);
+  at::Tensor x = prep_x(x_in, K), y = panel_output(x, n, gated), bk, sk;
   const float* b = prep_vec(bias, n, "bias", bk);
   const float* sc = prep_vec(scale, n, "scale", sk);
   TORCH_CHECK((sc != nullptr) == (panels.scalar_type() == at::kChar), "a scale goes with int8 panels, and only");
   if (x.size(0) == 0) return y;
+  const int64_t M = x.size(0), gate_panels = gated ? n / (2 * kPanel) : 0;
+  const float* xd = x.data_ptr<float>();
+  float* yd = y.data_ptr<float>();
   if (panels.scalar_type() == at::kFloat)
-    panel_run<WF32>({q.M, n, K, panels.data_ptr<float>(), sc, b, q.y}, q.x, batch_invariant);
+    panel_run<WF32>({M, n, K, panels.data_ptr<float>(), sc, b, yd, gate_panels}, xd, batch_invariant);
   else if (panels.scalar_type() == at::kBFloat16)
-    panel_run<WBF16>({q.M, n, K, reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()), sc, b, q.y},
-                     q.x, batch_invariant);
+    panel_run<WBF16>({M, n, K, reinterpret_cast<const uint16_t*>(panels.data_ptr<at::BFloat16>()), sc, b, yd,
+                      gate_panels}, xd, batch_invariant);
   else if (panels.scalar_type() == at::kChar)
-    panel_run<WI8>({q.M, n, K, panels.data_ptr<int8_t>(), sc, b, q.y}, q.x, batch_invariant);
+    panel_run<WI8>({M, n, K, panels.data_ptr<int8_t>(), sc, b, yd, gate_panels}, xd, batch_invariant);
   else TORCH_CHECK(false, "panels must be float32, bfloat16 or int8, got ", panels.scalar_type());
   return y;
 }
@@ -1009,16 +1056,19 @@ std::vector<int64_t> block_panel_shape(const std::string& fmt, int64_t N, int64_
 }
 
 at::Tensor block_panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t n,
-                              const c10::optional<at::Tensor>& bias, bool batch_invariant) {
+                              const c10::optional<at::Tensor>& bias, bool batch_invariant, bool gated) {
+  if (gated && !gates_in_panels(n)) return silu_and_mul(block_panel_linear(x_in, panels, n, bias, batch_invariant));
   TORCH_CHECK(n > 0 && panels.dim() == 3 && (n + kPanel - 1) / kPanel == panels.size(0), "n = ", n,
               " does not fit ", panels.size(0), " panels");
   const int64_t K = panels.size(1) * QK;
-  at::Tensor x = prep_x(x_in, K), y, bk;
-  Problem q = make_problem(x, n, y);
+  at::Tensor x = prep_x(x_in, K), y = panel_output(x, n, gated), bk;
   const float* b = prep_vec(bias, n, "bias", bk);
+  const int64_t gate_panels = gated ? n / (2 * kPanel) : 0;
   with_block_format(panels, [&](auto format) {
     using W = decltype(format);
-    if (x.size(0) > 0) panel_run<W>({q.M, n, K, panels.data_ptr<uint8_t>(), nullptr, b, q.y}, q.x, batch_invariant);
+    if (x.size(0) > 0)
+      panel_run<W>({x.size(0), n, K, panels.data_ptr<uint8_t>(), nullptr, b, y.data_ptr<float>(), gate_panels},
+                   x.data_ptr<float>(), batch_invariant);
   });
   return y;
 }

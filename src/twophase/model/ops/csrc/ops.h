@@ -10,16 +10,18 @@ namespace tp {
 // batch_invariant: each output row summed in one order at every batch size (the block formats always are).
 
 // Column panels of a float32 / bfloat16 / int8 weight [N, K] (linear.cpp, kPanel; packed by linear.py): their shape,
-// and y = (x @ W.T) * scale + bias through them at any batch size (scale: int8 only).
+// and y = (x @ W.T) * scale + bias through them at any batch size (scale: int8 only). gated: W is a gate / up
+// projection [gate; up] and y = silu_and_mul of that [M, N / 2], the same bits, without the [M, N] product where N
+// is a multiple of 48 (whole panels a half; otherwise the two ops in turn).
 std::vector<int64_t> panel_shape(int64_t N, int64_t K);
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const c10::optional<at::Tensor>& bias,
-                        bool batch_invariant, const c10::optional<at::Tensor>& scale);
+                        bool batch_invariant, const c10::optional<at::Tensor>& scale, bool gated = false);
 // GGUF Q8_0 / Q4_1 blocks of a float32 weight [N, K] rearranged per column panel (linear.cpp, PQ8_0 / PQ4_1;
 // packed by linear.py: pack_block_panels): their shape [P, K/32, bytes], y = x @ W.T + bias through them (the same
 // bits as the float32 panels of W), and W's float32 panels [P, K, 24] widened from them.
 std::vector<int64_t> block_panel_shape(const std::string& fmt, int64_t N, int64_t K);
 at::Tensor block_panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n,
-                              const c10::optional<at::Tensor>& bias, bool batch_invariant);
+                              const c10::optional<at::Tensor>& bias, bool batch_invariant, bool gated = false);
 at::Tensor widen_block_panels(const at::Tensor& panels);
 // (qs, d[, m]) of a q8_0 / q4_1 weight [N, K] in quant.py's layout written into out, its block panels (uint8, of
 // block_panel_shape; linear.py: pack_block_panels_reference is the torch reference); rows past N zero.

@@ -93,6 +93,18 @@ at::Tensor LinearOp::operator()(const at::Tensor& x) const {
   TORCH_CHECK(false, "LinearOp: bad kind");
 }
 
+at::Tensor LinearOp::silu_gated(const at::Tensor& x) const {
+  if (!(gemm_weight_.defined() && x.size(0) >= gemm_min_rows_)) {
+    switch (kind_) {
+      case Kind::Panels: return tp::panel_linear(x, t_[0], out_features_, bias_, batch_invariant_, c10::nullopt, true);
+      case Kind::Int8: return tp::panel_linear(x, t_[0], out_features_, bias_, batch_invariant_, t_[1], true);
+      case Kind::BlockPanels: return tp::block_panel_linear(x, t_[0], out_features_, bias_, batch_invariant_, true);
+      default: break;
+    }
+  }
+  return tp::silu_and_mul((*this)(x));
+}
+
 DecoderStack::DecoderStack(std::vector<StackLayer> layers, at::Tensor final_norm, double eps, int64_t heads,
                            int64_t kv_heads, int64_t head_dim, at::Tensor cos, at::Tensor sin)
     : layers_(std::move(layers)), final_norm_(final_norm.contiguous()), cos_(cos.contiguous()),
@@ -115,7 +127,7 @@ at::Tensor DecoderStack::mlp(const StackLayer& layer, const at::Tensor& h) const
   const int64_t T = h.size(0);
   if (layer.gate_up.gives_bfloat16(T) && layer.down.gives_bfloat16(T))
     return layer.down(tp::silu_and_mul_widened(layer.gate_up.gemm_unwidened(h)));
-  return layer.down(tp::silu_and_mul(layer.gate_up(h)));
+  return layer.down(layer.gate_up.silu_gated(h));
 }
 
 namespace {

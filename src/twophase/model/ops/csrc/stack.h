@@ -16,6 +16,9 @@ class LinearOp {
   LinearOp(const std::string& kind, std::vector<at::Tensor> tensors, c10::optional<at::Tensor> bias,
            bool batch_invariant, int64_t out_features);
   at::Tensor operator()(const at::Tensor& x) const;  // x fp32 [M, K] -> fp32 [M, N]
+  // A gate / up projection ([gate; up] rows) through SiLU-and-mul: silu_and_mul((*this)(x)), x fp32 [M, K] -> fp32
+  // [M, N / 2], the same bits; the panel kernels apply it as they store (without the [M, N] product).
+  at::Tensor silu_gated(const at::Tensor& x) const;
   // From min_rows rows on, y = linear(x as w's dtype, w) in float32 (+ bias): a bfloat16 copy [N, K] of the weight
   // that torch's GEMM runs on AMX / AVX512-BF16, many times the float32 panels' rate for a prefill chunk. packed
   // (optional): the same weight reordered by oneDNN (torch.ops.mkldnn._reorder_linear_weight), run by
