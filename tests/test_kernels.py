@@ -176,6 +176,8 @@ def test_gated_projection_gives_silu_and_mul_of_the_projection_bit_for_bit(fmt: 
             gated = op.silu_gated(x)
             assert gated.shape == (m, n // 2)
             assert torch.equal(gated, K.silu_and_mul(op(x))), (n, m)
+    with pytest.raises(RuntimeError, match="whole panels"):  # the kernel itself takes only whole panels a half
+        K.panel_linear(torch.randn(2, k), panels_of(torch.randn(50, k)), 50, gated=True)
 
 
 @pytest.mark.parametrize("m", [1, 3, 17, 64])

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from twophase.model.attention import write_kv
 from twophase.model.layers import apply_rotary, rms_norm_reference
+from twophase.model.ops.linear import PanelLinear
 
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)
 
@@ -67,12 +68,11 @@ class LayerOps:
         return F.silu(gate) * up
 
     def gated(self, gate_up_proj: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """silu_and_mul(gate_up_proj(x)), x [T, H] → [T, F]. Where the projection's kernel (its ``op``) takes x
-        (float32, at most its ``max_rows`` rows), in one call that applies SiLU-and-mul as it stores (the same bits,
-        without the [T, 2F] product; the decoder stack calls the same); else the two in turn."""
-        op = getattr(gate_up_proj, "op", None)
-        if op is not None and self.uses_kernels(x) and x.dtype == torch.float32 and x.shape[0] <= gate_up_proj.max_rows:
-            return op.silu_gated(x)
+        """silu_and_mul(gate_up_proj(x)), x [T, H] → [T, F]. A panel-kernel projection (``PanelLinear``, whose
+        float32 forward is its ``op``) takes float32 x in one call that applies SiLU-and-mul as it stores (the same
+        bits, without the [T, 2F] product; the decoder stack calls the same); anything else, the two in turn."""
+        if isinstance(gate_up_proj, PanelLinear) and x.dtype == torch.float32:
+            return gate_up_proj.op.silu_gated(x)
         return self.silu_and_mul(gate_up_proj(x))
 
     def rotary_cache_(

@@ -930,8 +930,11 @@ Problem make_problem(const at::Tensor& x, int64_t N, at::Tensor& y) {
   return Problem{x.size(0), N, x.size(1), x.data_ptr<float>(), nullptr, y.data_ptr<float>()};
 }
 
-// Whether a gate / up projection of N outputs goes through SiLU-and-mul as it is stored: whole panels a half.
+}  // namespace
+
 bool gates_in_panels(int64_t N) { return N % (2 * kPanel) == 0; }
+
+namespace {
 
 // The output of a panel projection of N outputs: y [M, N], or [M, N / 2] gated (gates_in_panels).
 at::Tensor panel_output(const at::Tensor& x, int64_t N, bool gated) {
@@ -1010,7 +1013,7 @@ std::vector<int64_t> panel_shape(int64_t N, int64_t K) { return {(N + kPanel - 1
 at::Tensor panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t n,
                         const c10::optional<at::Tensor>& bias, bool batch_invariant,
                         const c10::optional<at::Tensor>& scale, bool gated) {
-  if (gated && !gates_in_panels(n)) return silu_and_mul(panel_linear(x_in, panels, n, bias, batch_invariant, scale));
+  TORCH_CHECK(!gated || gates_in_panels(n), "gated: n = ", n, " is not two halves of whole panels of ", kPanel);
   TORCH_CHECK(panels.dim() == 3 && panels.size(2) == kPanel && panels.is_contiguous(),
               "panels must be a contiguous [P, K, 24] tensor from pack_panels_");
   TORCH_CHECK(n > 0 && (n + kPanel - 1) / kPanel == panels.size(0), "n = ", n, " does not fit ", panels.size(0),
@@ -1057,7 +1060,7 @@ std::vector<int64_t> block_panel_shape(const std::string& fmt, int64_t N, int64_
 
 at::Tensor block_panel_linear(const at::Tensor& x_in, const at::Tensor& panels, int64_t n,
                               const c10::optional<at::Tensor>& bias, bool batch_invariant, bool gated) {
-  if (gated && !gates_in_panels(n)) return silu_and_mul(block_panel_linear(x_in, panels, n, bias, batch_invariant));
+  TORCH_CHECK(!gated || gates_in_panels(n), "gated: n = ", n, " is not two halves of whole panels of ", kPanel);
   TORCH_CHECK(n > 0 && panels.dim() == 3 && (n + kPanel - 1) / kPanel == panels.size(0), "n = ", n,
               " does not fit ", panels.size(0), " panels");
   const int64_t K = panels.size(1) * QK;

@@ -14,6 +14,7 @@ namespace tp {
 // projection [gate; up] and y = silu_and_mul of that [M, N / 2], the same bits, without the [M, N] product where N
 // is a multiple of 48 (whole panels a half; otherwise the two ops in turn).
 std::vector<int64_t> panel_shape(int64_t N, int64_t K);
+bool gates_in_panels(int64_t N);  // whether N outputs split into whole panels a half (gated takes them)
 at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t n, const c10::optional<at::Tensor>& bias,
                         bool batch_invariant, const c10::optional<at::Tensor>& scale, bool gated = false);
 // GGUF Q8_0 / Q4_1 blocks of a float32 weight [N, K] rearranged per column panel (linear.cpp, PQ8_0 / PQ4_1;

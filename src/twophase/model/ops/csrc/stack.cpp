@@ -69,7 +69,7 @@ at::Tensor LinearOp::gemm_unwidened(const at::Tensor& x) const {
 }
 
 bool LinearOp::gives_bfloat16(int64_t rows) const {
-  return gemm_weight_.defined() && rows >= gemm_min_rows_ && gemm_weight_.scalar_type() == at::kBFloat16 &&
+  return takes_gemm(rows) && gemm_weight_.scalar_type() == at::kBFloat16 &&
          !(bias_.has_value() && bias_->defined());
 }
 
@@ -81,28 +81,27 @@ at::Tensor LinearOp::gemm(const at::Tensor& x) const {
   return y;
 }
 
-at::Tensor LinearOp::operator()(const at::Tensor& x) const {
-  if (gemm_weight_.defined() && x.size(0) >= gemm_min_rows_) return gemm(x);
+at::Tensor LinearOp::kernel(const at::Tensor& x, bool gated) const {
+  const bool panels = kind_ == Kind::Panels || kind_ == Kind::Int8 || kind_ == Kind::BlockPanels;
+  if (gated && !(panels && tp::gates_in_panels(out_features_))) return tp::silu_and_mul(kernel(x, false));
   switch (kind_) {
-    case Kind::Panels: return tp::panel_linear(x, t_[0], out_features_, bias_, batch_invariant_, c10::nullopt);
-    case Kind::Int8: return tp::panel_linear(x, t_[0], out_features_, bias_, batch_invariant_, t_[1]);
+    case Kind::Panels: return tp::panel_linear(x, t_[0], out_features_, bias_, batch_invariant_, c10::nullopt, gated);
+    case Kind::Int8: return tp::panel_linear(x, t_[0], out_features_, bias_, batch_invariant_, t_[1], gated);
     case Kind::Q8_0: return tp::linear_q8_0(x, t_[0], t_[1], bias_);  // batch-invariant at every M
     case Kind::Q4_1: return tp::linear_q4_1(x, t_[0], t_[1], t_[2], bias_);
-    case Kind::BlockPanels: return tp::block_panel_linear(x, t_[0], out_features_, bias_, batch_invariant_);
+    case Kind::BlockPanels: return tp::block_panel_linear(x, t_[0], out_features_, bias_, batch_invariant_, gated);
   }
   TORCH_CHECK(false, "LinearOp: bad kind");
 }
 
+bool LinearOp::takes_gemm(int64_t rows) const { return gemm_weight_.defined() && rows >= gemm_min_rows_; }
+
+at::Tensor LinearOp::operator()(const at::Tensor& x) const {
+  return takes_gemm(x.size(0)) ? gemm(x) : kernel(x, false);
+}
+
 at::Tensor LinearOp::silu_gated(const at::Tensor& x) const {
-  if (!(gemm_weight_.defined() && x.size(0) >= gemm_min_rows_)) {
-    switch (kind_) {
-      case Kind::Panels: return tp::panel_linear(x, t_[0], out_features_, bias_, batch_invariant_, c10::nullopt, true);
-      case Kind::Int8: return tp::panel_linear(x, t_[0], out_features_, bias_, batch_invariant_, t_[1], true);
-      case Kind::BlockPanels: return tp::block_panel_linear(x, t_[0], out_features_, bias_, batch_invariant_, true);
-      default: break;
-    }
-  }
-  return tp::silu_and_mul((*this)(x));
+  return takes_gemm(x.size(0)) ? tp::silu_and_mul(gemm(x)) : kernel(x, true);
 }
 
 DecoderStack::DecoderStack(std::vector<StackLayer> layers, at::Tensor final_norm, double eps, int64_t heads,

@@ -35,6 +35,9 @@ class LinearOp {
 
  private:
   at::Tensor gemm(const at::Tensor& x) const;
+  bool takes_gemm(int64_t rows) const;  // whether `rows` rows run on the GEMM weight copy
+  // The kernel for its kind (gated: through SiLU-and-mul, applied as the panels store where gates_in_panels).
+  at::Tensor kernel(const at::Tensor& x, bool gated) const;
   enum class Kind { Panels, Int8, Q8_0, Q4_1, BlockPanels } kind_;
   std::vector<at::Tensor> t_;
   c10::optional<at::Tensor> bias_;
