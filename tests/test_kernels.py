@@ -355,6 +355,30 @@ def test_paged_attention_rows_do_not_depend_on_the_batch(cache_dtype: torch.dtyp
         assert torch.equal(alone, together[row]), f"request {r}"
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("start", [0, 45])
+def test_paged_attention_prefill_rows_equal_decode_rows(cache_dtype: torch.dtype, start: int) -> None:
+    """Each query of a prefill chunk (its item's key chunks transposed once for all its rows, on AVX2) equals the same
+    query attended as a decode row at its position (keys as rows), bit for bit: 75 queries from position ``start``,
+    so that causal limits cut key chunks and groups of 8 keys everywhere."""
+    g = torch.Generator().manual_seed(21 + start)
+    heads, kv_heads, dim, bs, q_len = 9, 3, 64, 16, 75
+    seq = start + q_len
+    blocks = -(-seq // bs)
+    table = torch.randperm(blocks + 3, generator=g)[:blocks].to(torch.int32).view(1, blocks)
+    kc = torch.randn((blocks + 3) * bs, kv_heads, dim, generator=g).to(cache_dtype)
+    vc = torch.randn((blocks + 3) * bs, kv_heads, dim, generator=g).to(cache_dtype)
+    q = torch.randn(q_len, heads, dim, generator=g)
+    chunk = torch.empty_like(q)
+    K.paged_attention(chunk, q, kc, vc, table, torch.tensor([seq], dtype=torch.int32),
+                      torch.tensor([0, q_len], dtype=torch.int32), bs, dim**-0.5)
+    rows = torch.empty_like(q)  # every query as a decode row of its own request, all in one call
+    K.paged_attention(rows, q, kc, vc, table.expand(q_len, blocks).contiguous(),
+                      torch.arange(start + 1, seq + 1, dtype=torch.int32), torch.arange(q_len + 1, dtype=torch.int32),
+                      bs, dim**-0.5)
+    assert torch.equal(chunk, rows)
+
+
 def test_paged_attention_reads_q_rows_in_place() -> None:
     """q as the query part of a fused [T, (H + 2 KVH) * D] projection (rows further apart than H * D) gives the
     contiguous q's output bit for bit; q whose heads are not contiguous within a token is refused."""

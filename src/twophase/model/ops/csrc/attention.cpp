@@ -38,7 +38,8 @@ struct Args {
 
 // Per-thread scratch, sized for one work item.
 struct Scratch {
-  std::vector<float> q, acc, s, m, l, kbuf, vbuf, row;  // k/vbuf: a chunk widened; row: one row, off AVX2
+  // k/vbuf: a chunk widened; row: one row, off AVX2; kt: one kv head's K rows of a chunk transposed (scores_kt)
+  std::vector<float> q, acc, s, m, l, kbuf, vbuf, row, kt;
   std::vector<int64_t> pos;
   // attend_dot: the queries and probabilities as bfloat16 rows (row-major, a pair an int32), a key chunk's K and
   // V in panels ([pairs][32][2] bfloat16: K with d in pairs and keys as columns, V with keys in pairs and d as columns)
@@ -46,8 +47,8 @@ struct Scratch {
   std::vector<uint16_t> kpanel, vpanel;
   Scratch(int64_t rows, int64_t D, bool dot)  // dot: with attend_dot's buffers (a call that has such items)
       : q(rows * D), acc(rows * D), s(rows * KEY_CHUNK), m(rows), l(rows), kbuf(KEY_CHUNK * D),
-        vbuf(KEY_CHUNK * D), row(D), pos(rows), qp(dot ? rows * D / 2 : 0), pp(dot ? rows * KEY_CHUNK / 2 : 0),
-        kpanel(dot ? KEY_CHUNK * D : 0), vpanel(dot ? KEY_CHUNK * D : 0) {}
+        vbuf(KEY_CHUNK * D), row(D), kt(KEY_CHUNK * D), pos(rows), qp(dot ? rows * D / 2 : 0),
+        pp(dot ? rows * KEY_CHUNK / 2 : 0), kpanel(dot ? KEY_CHUNK * D : 0), vpanel(dot ? KEY_CHUNK * D : 0) {}
 };
 
 // The next key chunk's K / V rows of the kv head being worked on (k[j] + k_off, v[j] + v_off for j < n; n = 0:
@@ -174,34 +175,46 @@ constexpr int accumulate_slabs(int R) { return R * 8 <= ACCUMULATOR_REGISTERS ? 
 
 #ifdef __AVX2__
 // scores() for R rows at D == 64: s[r][j] = q[r] . K[j] (rows of q and s 64 / KEY_CHUNK apart); mx[r] = max_j.
-// Keys go four at a time, each one FMA chain over its 8 slabs (d ascending), the four partial vectors reduced together
-// (two rounds of hadd, then the halves); the padding keys of the last group repeat the last key, so every key's sum is
-// the same arithmetic wherever it falls in a group, and in whichever group of rows. The slabs are the outer loop: a
-// slab of the R queries is loaded once for the four keys' slabs, and R x 4 chains are in flight (keys outer, GCC
-// loaded a query slab for every FMA and ran R chains at a time). With accumulate_d64's AVX2 passes below, an engine's
-// 32-row decode step on 2 Zen 3 cores took ~2% less time, prefill ~0.6% (one process, both builds, both orders).
+// Keys go four at a time, each one FMA chain over its 8 slabs (d ascending), and each key's 8 lanes are summed as
+// ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)) (hadd of keys 0 and 1, of keys 2 and 3, of the two, then the
+// halves); the padding keys of the last group repeat the last key, so every key's sum is the same arithmetic wherever
+// it falls in a group, and in whichever group of rows (scores_kt below computes the same sums). Keys go in two pairs:
+// R x 2 chains, a slab of each pair's keys loaded into registers once for the R rows and each query slab once for
+// the pair (R x 4 chains at once left GCC short of registers: it reloaded a query slab for every FMA and folded the
+// key loads into each FMA, two loads an FMA). Decode attention over 32 requests x 320 keys x 30 layers (float32,
+// 2 Zen 3 cores, with accumulate_d64's register loads): 0.93x the time of four keys at once (medians of 14 rounds
+// in one process, both builds).
 template <int R, class T>
 inline void scores_d64(const float* q, const T* const* K, int64_t n, float* s, float* mx) {
   __m128 m[R];
   for (int r = 0; r < R; ++r) m[r] = _mm_set1_ps(-std::numeric_limits<float>::infinity());
   for (int64_t j = 0; j < n; j += 4) {
     const T* k[4] = {K[j], K[std::min(j + 1, n - 1)], K[std::min(j + 2, n - 1)], K[std::min(j + 3, n - 1)]};
-    __m256 part[R][4], qd[R];
-    for (int r = 0; r < R; ++r) qd[r] = _mm256_loadu_ps(q + r * 64);
-    for (int t = 0; t < 4; ++t) {
-      const __m256 kd = load8(k[t]);
-      for (int r = 0; r < R; ++r) part[r][t] = _mm256_mul_ps(qd[r], kd);
-    }
-    for (int d = 1; d < 8; ++d) {
-      for (int r = 0; r < R; ++r) qd[r] = _mm256_loadu_ps(q + r * 64 + 8 * d);
-      for (int t = 0; t < 4; ++t) {
-        const __m256 kd = load8(k[t] + 8 * d);
-        for (int r = 0; r < R; ++r) part[r][t] = _mm256_fmadd_ps(qd[r], kd, part[r][t]);
+    __m256 pair[2][R];  // per row: hadd of keys (0, 1) and of keys (2, 3)
+    for (int h = 0; h < 2; ++h) {
+      __m256 part[R][2];
+      {
+        __m256 k0 = load8(k[2 * h]), k1 = load8(k[2 * h + 1]);
+        __asm__("" : "+x"(k0), "+x"(k1));
+        for (int r = 0; r < R; ++r) {
+          const __m256 qd = _mm256_loadu_ps(q + r * 64);
+          part[r][0] = _mm256_mul_ps(qd, k0), part[r][1] = _mm256_mul_ps(qd, k1);
+        }
       }
+      for (int d = 1; d < 8; ++d) {
+        __m256 k0 = load8(k[2 * h] + 8 * d), k1 = load8(k[2 * h + 1] + 8 * d);
+        __asm__("" : "+x"(k0), "+x"(k1));  // one load each for the R rows (GCC folded them into each FMA)
+        for (int r = 0; r < R; ++r) {
+          const __m256 qd = _mm256_loadu_ps(q + r * 64 + 8 * d);
+          part[r][0] = _mm256_fmadd_ps(qd, k0, part[r][0]);
+          part[r][1] = _mm256_fmadd_ps(qd, k1, part[r][1]);
+        }
+      }
+      for (int r = 0; r < R; ++r) pair[h][r] = _mm256_hadd_ps(part[r][0], part[r][1]);
     }
     for (int r = 0; r < R; ++r) {
-      const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(part[r][0], part[r][1]), _mm256_hadd_ps(part[r][2], part[r][3]));
-      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+      const __m256 hsum = _mm256_hadd_ps(pair[0][r], pair[1][r]);
+      const __m128 s4 = _mm_add_ps(_mm256_castps256_ps128(hsum), _mm256_extractf128_ps(hsum, 1));
       _mm_storeu_ps(s + r * KEY_CHUNK + j, s4);
       m[r] = _mm_max_ps(m[r], s4);
     }
@@ -212,10 +225,101 @@ inline void scores_d64(const float* q, const T* const* K, int64_t n, float* s, f
   }
 }
 
+// K rows K[0..n) (n <= KEY_CHUNK, float32, D == 64) transposed into kt [64][KEY_CHUNK]: d-major, keys in lanes. Keys
+// from n on repeat the last one (their scores are never used).
+inline void transpose_chunk(const float* const* K, int64_t n, float* kt) {
+  for (int64_t jb = 0; jb < KEY_CHUNK; jb += 8) {
+    const float* k[8];
+    for (int t = 0; t < 8; ++t) k[t] = K[std::min<int64_t>(jb + t, n - 1)];
+    for (int db = 0; db < 64; db += 8) {
+      __m256 r[8];
+      for (int t = 0; t < 8; ++t) r[t] = _mm256_loadu_ps(k[t] + db);
+      const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+      const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+      const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+      const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+      const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+      const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+      const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+      const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+      float* o = kt + db * KEY_CHUNK + jb;
+      _mm256_storeu_ps(o + 0 * KEY_CHUNK, _mm256_permute2f128_ps(u0, u4, 0x20));
+      _mm256_storeu_ps(o + 1 * KEY_CHUNK, _mm256_permute2f128_ps(u1, u5, 0x20));
+      _mm256_storeu_ps(o + 2 * KEY_CHUNK, _mm256_permute2f128_ps(u2, u6, 0x20));
+      _mm256_storeu_ps(o + 3 * KEY_CHUNK, _mm256_permute2f128_ps(u3, u7, 0x20));
+      _mm256_storeu_ps(o + 4 * KEY_CHUNK, _mm256_permute2f128_ps(u0, u4, 0x31));
+      _mm256_storeu_ps(o + 5 * KEY_CHUNK, _mm256_permute2f128_ps(u1, u5, 0x31));
+      _mm256_storeu_ps(o + 6 * KEY_CHUNK, _mm256_permute2f128_ps(u2, u6, 0x31));
+      _mm256_storeu_ps(o + 7 * KEY_CHUNK, _mm256_permute2f128_ps(u3, u7, 0x31));
+    }
+  }
+}
+
+// scores_d64 with the chunk's keys transposed (kt, transpose_chunk), 8 keys a vector: lane class i's partial sum
+// A_i = sum over slabs s of q[8s + i] * k[8s + i] (a multiply, then FMAs in s order), summed as
+// ((A0 + A1) + (A2 + A3)) + ((A4 + A5) + (A6 + A7)): scores_d64's arithmetic for every key, without its horizontal
+// reductions. Pairs of lane classes for R rows x 2 key vectors at a time (12 accumulators at R = 3). For items of
+// more than one query (prefill chunks), whose rows all read the chunk transposed once: prefill attention of 8 prompts
+// x 256 tokens x 30 layers (float32, 2 Zen 3 cores, with accumulate_d64's register loads) took 0.74x the time of
+// scores_d64 (medians of 6 rounds in one process, both builds).
+template <int R>
+inline void scores_kt(const float* q, const float* kt, int64_t n, float* s, float* mx) {
+  __m256 m[R];
+  for (int r = 0; r < R; ++r) m[r] = _mm256_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int nb = j0 + 8 < n ? 2 : 1;  // key vectors in this pass
+    __m256 pairs[4][R][2];               // A_2p + A_2p+1
+    for (int p = 0; p < 4; ++p) {
+      const int i = 2 * p;
+      __m256 a[2][R][2];  // [lane class i, i + 1][row][key vector]
+      for (int c = 0; c < 2; ++c) {
+        const __m256 k0 = _mm256_loadu_ps(kt + (i + c) * KEY_CHUNK + j0);
+        const __m256 k1 = _mm256_loadu_ps(kt + (i + c) * KEY_CHUNK + j0 + 8);
+        for (int r = 0; r < R; ++r) {
+          const __m256 qv = _mm256_broadcast_ss(q + r * 64 + i + c);
+          a[c][r][0] = _mm256_mul_ps(qv, k0);
+          a[c][r][1] = _mm256_mul_ps(qv, k1);
+        }
+      }
+      for (int sl = 1; sl < 8; ++sl)
+        for (int c = 0; c < 2; ++c) {
+          const int d = 8 * sl + i + c;
+          __m256 k0 = _mm256_loadu_ps(kt + d * KEY_CHUNK + j0);
+          __m256 k1 = _mm256_loadu_ps(kt + d * KEY_CHUNK + j0 + 8);
+          __asm__("" : "+x"(k0), "+x"(k1));  // in registers: one load each for the R rows, not one an FMA
+          for (int r = 0; r < R; ++r) {
+            const __m256 qv = _mm256_broadcast_ss(q + r * 64 + d);
+            a[c][r][0] = _mm256_fmadd_ps(qv, k0, a[c][r][0]);
+            a[c][r][1] = _mm256_fmadd_ps(qv, k1, a[c][r][1]);
+          }
+        }
+      for (int r = 0; r < R; ++r)
+        for (int b = 0; b < 2; ++b) pairs[p][r][b] = _mm256_add_ps(a[0][r][b], a[1][r][b]);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int b = 0; b < nb; ++b) {
+        const __m256 sc = _mm256_add_ps(_mm256_add_ps(pairs[0][r][b], pairs[1][r][b]),
+                                        _mm256_add_ps(pairs[2][r][b], pairs[3][r][b]));
+        _mm256_storeu_ps(s + r * KEY_CHUNK + j0 + 8 * b, sc);
+        const int64_t valid = n - (j0 + 8 * b);  // keys of this vector below n
+        const __m256 live = valid >= 8 ? sc
+            : _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()), sc,
+                               _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(valid)),
+                                                                      _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7))));
+        m[r] = _mm256_max_ps(m[r], live);
+      }
+  }
+  for (int r = 0; r < R; ++r) {
+    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(m[r]), _mm256_extractf128_ps(m[r], 1));
+    const __m128 v = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    mx[r] = _mm_cvtss_f32(_mm_max_ss(v, _mm_movehdup_ps(v)));
+  }
+}
+
 // accumulate() for R rows at D == 64: acc[r] = acc[r] * alpha[r] + sum_j p[r][j] * V[j] (rows of acc 64 apart, of
 // p KEY_CHUNK apart), S slabs of 8 at a time (8 / S passes over the keys, S = accumulate_slabs(R)): each value slab
-// is loaded once for the R rows. Every element's arithmetic is accumulate()'s (alpha times acc, then one FMA a key in
-// key order).
+// is loaded once for the R rows (into a register: GCC folded it into each of the R FMAs, which at R = 3 made the loop
+// load-bound). Every element's arithmetic is accumulate()'s (alpha times acc, then one FMA a key in key order).
 template <int R, int S, class T>
 inline void accumulate_d64(float* acc, const float* alpha, const float* p, const T* const* V, int64_t n) {
   static_assert(8 % S == 0, "S slabs a pass");
@@ -228,7 +332,8 @@ inline void accumulate_d64(float* acc, const float* alpha, const float* p, const
       __m256 pj[R];
       for (int r = 0; r < R; ++r) pj[r] = _mm256_set1_ps(p[r * KEY_CHUNK + j]);
       for (int d = 0; d < S; ++d) {
-        const __m256 v = load8(V[j] + 8 * (d0 + d));
+        __m256 v = load8(V[j] + 8 * (d0 + d));
+        __asm__("" : "+x"(v));  // one load for the R rows (GCC folded it into each FMA)
         for (int r = 0; r < R; ++r) a[r][d] = _mm256_fmadd_ps(pj[r], v, a[r][d]);
       }
     }
@@ -417,7 +522,7 @@ inline void attend_rows_paired(const uint16_t* const* K, const uint16_t* const* 
 // the online softmax update, and the values.
 template <class T>
 inline void attend_rows(const T* const* K, const T* const* V, int64_t r0, int R, int64_t nv, int64_t D, Scratch& sc,
-                        const NextRows& next = {}) {
+                        const NextRows& next = {}, const float* kt = nullptr) {
   float mx[GROUP_ROWS], alpha[GROUP_ROWS];
   float* s = sc.s.data() + r0 * KEY_CHUNK;
   float* q = sc.q.data() + r0 * D;
@@ -428,7 +533,13 @@ inline void attend_rows(const T* const* K, const T* const* V, int64_t r0, int R,
   }
 #endif
 #ifdef __AVX2__
-  if (D == 64) {
+  if (kt) {
+    switch (R) {
+      case 1: scores_kt<1>(q, kt, nv, s, mx); break;
+      case 2: scores_kt<2>(q, kt, nv, s, mx); break;
+      default: scores_kt<3>(q, kt, nv, s, mx); break;
+    }
+  } else if (D == 64) {
     switch (R) {
       case 1: scores_d64<1>(q, K, nv, s, mx); break;
       case 2: scores_d64<2>(q, K, nv, s, mx); break;
@@ -541,13 +652,19 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
         if (n_next > 0) next = {Knext, Vnext, n_next, (g - w.kv0) * a.k_s1, (g - w.kv0) * a.v_s1};
       // The rows of kv head g over keys p0 .. p0 + n - 1, K and V rows given as float32 or bfloat16 pointers.
       // Rows come G to a query (rr = ... + (i - q0) * G + gh), taken up to GROUP_ROWS at a time within a query.
+      const float* kt = nullptr;  // K transposed for scores_kt: items of more than one query (their rows share it)
       auto attend_head = [&](const auto* const* K, const auto* const* V) {
+#ifdef __AVX2__
+        if constexpr (std::is_same_v<std::decay_t<decltype(**K)>, float>) {
+          if (D == 64 && per_head > G) transpose_chunk(K, n, sc.kt.data()), kt = sc.kt.data();
+        }
+#endif
         const int64_t begin = (g - w.kv0) * per_head;
         for (int64_t rr = begin; rr < begin + per_head;) {
           const int64_t query_end = rr - (rr - begin) % G + G;
           const int R = static_cast<int>(std::min<int64_t>(GROUP_ROWS, query_end - rr));
           const int64_t nv = std::min(n, sc.pos[rr] - p0 + 1);  // causal: keys p0..pos
-          if (nv > 0) attend_rows(K, V, rr, R, nv, D, sc, next), next.n = 0;
+          if (nv > 0) attend_rows(K, V, rr, R, nv, D, sc, next, kt), next.n = 0;
           rr += R;
         }
       };
