@@ -195,7 +195,8 @@ inline void scores_d64(const float* q, const T* const* K, int64_t n, float* s, f
       __m256 part[R][2];
       {
         __m256 k0 = load8(k[2 * h]), k1 = load8(k[2 * h + 1]);
-        __asm__("" : "+x"(k0), "+x"(k1));
+        TP_IN_REGISTER(k0);
+        TP_IN_REGISTER(k1);
         for (int r = 0; r < R; ++r) {
           const __m256 qd = _mm256_loadu_ps(q + r * 64);
           part[r][0] = _mm256_mul_ps(qd, k0), part[r][1] = _mm256_mul_ps(qd, k1);
@@ -203,7 +204,8 @@ inline void scores_d64(const float* q, const T* const* K, int64_t n, float* s, f
       }
       for (int d = 1; d < 8; ++d) {
         __m256 k0 = load8(k[2 * h] + 8 * d), k1 = load8(k[2 * h + 1] + 8 * d);
-        __asm__("" : "+x"(k0), "+x"(k1));  // one load each for the R rows (GCC folded them into each FMA)
+        TP_IN_REGISTER(k0);
+        TP_IN_REGISTER(k1);  // one load each for the R rows (GCC folded them into each FMA)
         for (int r = 0; r < R; ++r) {
           const __m256 qd = _mm256_loadu_ps(q + r * 64 + 8 * d);
           part[r][0] = _mm256_fmadd_ps(qd, k0, part[r][0]);
@@ -286,7 +288,8 @@ inline void scores_kt(const float* q, const float* kt, int64_t n, float* s, floa
           const int d = 8 * sl + i + c;
           __m256 k0 = _mm256_loadu_ps(kt + d * KEY_CHUNK + j0);
           __m256 k1 = _mm256_loadu_ps(kt + d * KEY_CHUNK + j0 + 8);
-          __asm__("" : "+x"(k0), "+x"(k1));  // in registers: one load each for the R rows, not one an FMA
+          TP_IN_REGISTER(k0);
+          TP_IN_REGISTER(k1);  // one load each for the R rows, not one an FMA
           for (int r = 0; r < R; ++r) {
             const __m256 qv = _mm256_broadcast_ss(q + r * 64 + d);
             a[c][r][0] = _mm256_fmadd_ps(qv, k0, a[c][r][0]);
@@ -333,7 +336,7 @@ inline void accumulate_d64(float* acc, const float* alpha, const float* p, const
       for (int r = 0; r < R; ++r) pj[r] = _mm256_set1_ps(p[r * KEY_CHUNK + j]);
       for (int d = 0; d < S; ++d) {
         __m256 v = load8(V[j] + 8 * (d0 + d));
-        __asm__("" : "+x"(v));  // one load for the R rows (GCC folded it into each FMA)
+        TP_IN_REGISTER(v);  // one load for the R rows (GCC folded it into each FMA)
         for (int r = 0; r < R; ++r) a[r][d] = _mm256_fmadd_ps(pj[r], v, a[r][d]);
       }
     }

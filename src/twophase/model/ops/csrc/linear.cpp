@@ -433,17 +433,6 @@ constexpr int64_t panel_stride(int64_t K) {
   else return K * kPanel;
 }
 
-// Keeps v in a register (an empty asm the compiler cannot see through): without it GCC folds each weight load into
-// the FMAs, 12 loads per k instead of 3, and the tile becomes load-bound (a standalone copy at 32 rows: ~105 instead
-// of ~145 GFLOP/s).
-#if defined(__AVX512F__) && defined(__GNUC__)
-#define TP_IN_REGISTER(v) __asm__("" : "+v"(v))
-#elif defined(__AVX2__) && defined(__GNUC__)
-#define TP_IN_REGISTER(v) __asm__("" : "+x"(v))
-#else
-#define TP_IN_REGISTER(v) (void)0
-#endif
-
 // A tile's rows of x: element (m, k) at x[k * k_step + m * row_step]. Rows in place: k_step 1, row_step K; packed
 // k-major per block of 4 rows (pack_rows_k_major): k_step = the block's rows, row_step 1.
 struct XRows {
