@@ -312,11 +312,7 @@ inline void scores_kt(const float* q, const float* kt, int64_t n, float* s, floa
         m[r] = _mm256_max_ps(m[r], live);
       }
   }
-  for (int r = 0; r < R; ++r) {
-    const __m128 h = _mm_max_ps(_mm256_castps256_ps128(m[r]), _mm256_extractf128_ps(m[r], 1));
-    const __m128 v = _mm_max_ps(h, _mm_movehl_ps(h, h));
-    mx[r] = _mm_cvtss_f32(_mm_max_ss(v, _mm_movehdup_ps(v)));
-  }
+  for (int r = 0; r < R; ++r) mx[r] = hmax(m[r]);
 }
 
 // accumulate() for R rows at D == 64: acc[r] = acc[r] * alpha[r] + sum_j p[r][j] * V[j] (rows of acc 64 apart, of
