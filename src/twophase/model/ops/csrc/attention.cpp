@@ -693,28 +693,6 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
 static_assert(KEY_CHUNK == kDotCols, "attend_dot scores one key chunk as one panel of 32 columns");
 constexpr int64_t kMaxDotBlocks = 16;  // tiles of rows an item may take (Q_TILE x groups rows: 192, 16 query heads a kv head)
 
-// r[i] lane j -> r[j] lane i: a 16 x 16 transpose of 32-bit values (interleaves of 32 and 64 bits within 128-bit
-// lanes, then two rounds of lane shuffles).
-inline void transpose16x16_epi32(__m512i r[16]) {
-  __m512i t[16];
-  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-  __m512i u[16];  // u[4b + c]: rows 4b..4b+3 of columns c, c + 4, c + 8, c + 12 (a 128-bit lane each)
-  for (int b = 0; b < 4; ++b) {
-    u[4 * b] = _mm512_unpacklo_epi64(t[4 * b], t[4 * b + 2]);
-    u[4 * b + 1] = _mm512_unpackhi_epi64(t[4 * b], t[4 * b + 2]);
-    u[4 * b + 2] = _mm512_unpacklo_epi64(t[4 * b + 1], t[4 * b + 3]);
-    u[4 * b + 3] = _mm512_unpackhi_epi64(t[4 * b + 1], t[4 * b + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
-    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
-    r[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
-    r[c + 8] = _mm512_shuffle_i32x4(v0, w0, 0xdd);
-    r[c + 4] = _mm512_shuffle_i32x4(v1, w1, 0x88);
-    r[c + 12] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
-  }
-}
-
 // attend() for a prefill item (one kv head, bfloat16 cache, D == 64) on AVX512-BF16 dot products, as flash
 // attention runs in bfloat16: the scaled queries and each chunk's probabilities rounded to bfloat16, products summed
 // in float32. Per 32-key chunk, a tile of up to 12 rows at a time: S = Q K^T (the chunk's 32 keys as columns, d in

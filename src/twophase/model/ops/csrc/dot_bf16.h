@@ -72,20 +72,61 @@ inline void with_tile_rows(int64_t rows, Fn&& fn) {
 
 #endif
 
-// Rows [r0, r0 + rows) of src (float32 or bfloat16, ld elements apart, k values each, k even) as bfloat16 k pairs,
-// pair-major: dst[p * rows + r] holds row r0 + r's values 2p and 2p + 1 (float32 rounded to nearest even, as torch).
-template <class T>
-inline void pack_pairs(const T* src, int64_t ld, int64_t r0, int64_t rows, int64_t k, int32_t* dst, uint16_t* row) {
-  for (int64_t r = 0; r < rows; ++r) {
-    const uint16_t* s;
-    if constexpr (std::is_same_v<T, float>) {
-      convert(row, src + (r0 + r) * ld, k);
-      s = row;
-    } else {
-      s = src + (r0 + r) * ld;
-    }
-    for (int64_t p = 0; p < k / 2; ++p) std::memcpy(dst + p * rows + r, s + 2 * p, 4);
+#if defined(__AVX512F__)
+// r[i] lane j -> r[j] lane i: a 16 x 16 transpose of 32-bit values (interleaves of 32 and 64 bits within 128-bit
+// lanes, then two rounds of lane shuffles).
+inline void transpose16x16_epi32(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  __m512i u[16];  // u[4b + c]: rows 4b..4b+3 of columns c, c + 4, c + 8, c + 12 (a 128-bit lane each)
+  for (int b = 0; b < 4; ++b) {
+    u[4 * b] = _mm512_unpacklo_epi64(t[4 * b], t[4 * b + 2]);
+    u[4 * b + 1] = _mm512_unpackhi_epi64(t[4 * b], t[4 * b + 2]);
+    u[4 * b + 2] = _mm512_unpacklo_epi64(t[4 * b + 1], t[4 * b + 3]);
+    u[4 * b + 3] = _mm512_unpackhi_epi64(t[4 * b + 1], t[4 * b + 3]);
   }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i v0 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88), v1 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xdd);
+    const __m512i w0 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88), w1 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xdd);
+    r[c] = _mm512_shuffle_i32x4(v0, w0, 0x88);
+    r[c + 8] = _mm512_shuffle_i32x4(v0, w0, 0xdd);
+    r[c + 4] = _mm512_shuffle_i32x4(v1, w1, 0x88);
+    r[c + 12] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
+  }
+}
+#endif
+
+constexpr int64_t kPackMaxRows = 16;  // rows pack_pairs takes at a time
+static_assert(kDotMaxRows <= kPackMaxRows, "bf16_gemm packs a row block at a time");
+
+// Rows [r0, r0 + rows) of src (float32 or bfloat16, ld elements apart, k values each, k even; rows <= kPackMaxRows)
+// as bfloat16 k pairs, pair-major: dst[p * rows + r] holds row r0 + r's values 2p and 2p + 1 (float32 rounded to
+// nearest even, as torch). scratch: rows x k bfloat16 values (float32 sources). On AVX-512, 16 pairs of every row at
+// a time through a 16 x 16 transpose: a 32-row decode step's inputs (the calling thread's serial part of each GEMM)
+// took a scalar store a pair before.
+template <class T>
+inline void pack_pairs(const T* src, int64_t ld, int64_t r0, int64_t rows, int64_t k, int32_t* dst, uint16_t* scratch) {
+  const uint16_t* s[kPackMaxRows];
+  for (int64_t r = 0; r < rows; ++r) {
+    if constexpr (std::is_same_v<T, float>) {
+      convert(scratch + r * k, src + (r0 + r) * ld, k);
+      s[r] = scratch + r * k;
+    } else {
+      s[r] = src + (r0 + r) * ld;
+    }
+  }
+  int64_t p = 0;
+#if defined(__AVX512F__)
+  const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
+  for (; p + 16 <= k / 2; p += 16) {  // t[r]: row r's pairs p .. p + 15 -> t[q]: pair p + q of every row
+    __m512i t[16];
+    for (int64_t r = 0; r < 16; ++r) t[r] = r < rows ? _mm512_loadu_si512(s[r] + 2 * p) : _mm512_setzero_si512();
+    transpose16x16_epi32(t);
+    for (int64_t q = 0; q < 16; ++q) _mm512_mask_storeu_epi32(dst + (p + q) * rows, keep, t[q]);
+  }
+#endif
+  for (; p < k / 2; ++p)
+    for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + p * rows + r, s[r] + 2 * p, 4);
 }
 
 }  // namespace tp

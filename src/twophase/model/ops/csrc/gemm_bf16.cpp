@@ -76,12 +76,13 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, b
   std::vector<int32_t> xp(M * pairs);
   const int64_t grain = M * K >= (int64_t{1} << 18) ? 1 : blocks;  // parallel_for runs a range under grain inline
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    std::vector<uint16_t> row(K);
+    std::vector<uint16_t> scratch(kDotMaxRows * K);
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r0 = starts[b], rows = starts[b + 1] - r0;
-      if (xc.scalar_type() == at::kFloat) pack_pairs(xc.data_ptr<float>(), K, r0, rows, K, xp.data() + r0 * pairs, row.data());
+      if (xc.scalar_type() == at::kFloat)
+        pack_pairs(xc.data_ptr<float>(), K, r0, rows, K, xp.data() + r0 * pairs, scratch.data());
       else pack_pairs(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), K, r0, rows, K,
-                      xp.data() + r0 * pairs, row.data());
+                      xp.data() + r0 * pairs, scratch.data());
     }
   });
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
