@@ -69,7 +69,8 @@ needs_bf16_dot = pytest.mark.skipif(not K.bf16_gemm_available(), reason="the ker
 
 
 @needs_bf16_dot
-@pytest.mark.parametrize(("n", "k"), [(960, 576), (67, 1536), (5, 2), (33, 18)])  # N tails below / above 16 of 32
+# N tails below / above 16 of 32; k pairs packed 16 at a time by transposes, with a tail (68: 32 + 2) or none
+@pytest.mark.parametrize(("n", "k"), [(960, 576), (67, 1536), (5, 2), (33, 18), (40, 68)])
 @pytest.mark.parametrize("m", [1, 8, 13, 32, 127])
 def test_bf16_gemm_against_float64(m: int, n: int, k: int) -> None:
     """bf16_gemm: bfloat16 products (exact in float32), float32 sums, the result rounded once to bfloat16. Against the
