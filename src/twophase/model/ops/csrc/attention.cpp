@@ -727,13 +727,8 @@ void attend_dot(const Args& a, const WorkItem& w, const QT* q, QT* out, const ui
     // K^T as a panel (keys past n zero), V with keys in pairs (rows past n zero: their probabilities are 0, and
     // 0 x whatever lies there could be NaN)
     for (int64_t j0 = 0; j0 < KEY_CHUNK; j0 += 16)
-      for (int64_t dp0 = 0; dp0 < DP; dp0 += 16) {  // keys j0.., pairs dp0.. -> panel rows dp0.., columns j0..
-        __m512i t[16];
-        for (int64_t j = 0; j < 16; ++j)
-          t[j] = j0 + j < n ? _mm512_loadu_si512(K[j0 + j] + 2 * dp0) : _mm512_setzero_si512();
-        transpose16x16_epi32(t);
-        for (int64_t dp = 0; dp < 16; ++dp) _mm512_storeu_si512(kp32 + (dp0 + dp) * KEY_CHUNK + j0, t[dp]);
-      }
+      for (int64_t dp0 = 0; dp0 < DP; dp0 += 16)  // keys j0.., pairs dp0.. -> panel rows dp0.., columns j0..
+        transpose_pairs16(K + j0, n - j0, dp0, kp32 + dp0 * KEY_CHUNK + j0, KEY_CHUNK, 0xffff);
     // unpack interleaves within 128-bit lanes (lane k of lo: d 8k..8k+3 of both keys, of hi: 8k+4..8k+7): the
     // permutes put a panel row's 32 pairs in d order
     const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);

@@ -94,6 +94,20 @@ inline void transpose16x16_epi32(__m512i r[16]) {
     r[c + 12] = _mm512_shuffle_i32x4(v1, w1, 0xdd);
   }
 }
+
+// Pairs p0 .. p0 + 15 of rows[0 .. n) (bfloat16 values, a pair an int32; rows from n on count as zeros) transposed:
+// dst + q * ld gets pair p0 + q of every row, row r in lane r, in the lanes keep selects. Packs bf16_gemm's input
+// rows pair-major (pack_pairs) and a key chunk's K as a panel (attend_dot).
+__attribute__((always_inline)) inline void transpose_pairs16(const uint16_t* const* rows, int64_t n, int64_t p0, int32_t* dst, int64_t ld,
+                              __mmask16 keep) {
+  __m512i t[16];
+  for (int64_t r = 0; r < 16; ++r) t[r] = r < n ? _mm512_loadu_si512(rows[r] + 2 * p0) : _mm512_setzero_si512();
+  transpose16x16_epi32(t);
+  for (int64_t q = 0; q < 16; ++q) {
+    if (keep == 0xffff) _mm512_storeu_si512(dst + q * ld, t[q]);  // whole rows unmasked (a masked store cost
+    else _mm512_mask_storeu_epi32(dst + q * ld, keep, t[q]);       // attend_dot 2-5%)
+  }
+}
 #endif
 
 constexpr int64_t kPackMaxRows = 16;  // rows pack_pairs takes at a time
@@ -118,12 +132,7 @@ inline void pack_pairs(const T* src, int64_t ld, int64_t r0, int64_t rows, int64
   int64_t p = 0;
 #if defined(__AVX512F__)
   const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
-  for (; p + 16 <= k / 2; p += 16) {  // t[r]: row r's pairs p .. p + 15 -> t[q]: pair p + q of every row
-    __m512i t[16];
-    for (int64_t r = 0; r < 16; ++r) t[r] = r < rows ? _mm512_loadu_si512(s[r] + 2 * p) : _mm512_setzero_si512();
-    transpose16x16_epi32(t);
-    for (int64_t q = 0; q < 16; ++q) _mm512_mask_storeu_epi32(dst + (p + q) * rows, keep, t[q]);
-  }
+  for (; p + 16 <= k / 2; p += 16) transpose_pairs16(s, rows, p, dst + p * rows, rows, keep);
 #endif
   for (; p < k / 2; ++p)
     for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + p * rows + r, s[r] + 2 * p, 4);
