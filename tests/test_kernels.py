@@ -447,6 +447,29 @@ def test_paged_attention_bfloat16_prefill(products: str, block_size: int, stride
     assert sum(q_len >= 9 for q_len in q_lens) == 3  # the chunk after 70 keys, the 16- and the 9-token prompts
 
 
+@pytest.mark.parametrize("heads", [6, 16])  # 3 query heads a kv head (32-query items), 8 (24-query items)
+def test_paged_attention_dot_prefill_long_prompts(heads: int) -> None:
+    """attend_dot over prompts of several key chunks and query tiles: a 77-token prompt and a 50-token chunk after
+    70 cached keys, whose items' later row blocks skip the chunks none of their rows sees; against the float64
+    reference within the rounding of queries and probabilities to bfloat16, as above."""
+    if not K.bf16_gemm_available():
+        pytest.skip("the kernels were built without AVX512-BF16")
+    g = torch.Generator().manual_seed(5)
+    seq_lens, q_lens, kv_heads, dim, bs = [77, 120], [77, 50], 2, 64, 16
+    tables = torch.randperm(2 * 8, generator=g).to(torch.int32).view(2, 8)
+    kc = torch.randn(16 * bs, kv_heads, dim, generator=g).bfloat16()
+    vc = torch.randn(16 * bs, kv_heads, dim, generator=g).bfloat16()
+    qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
+    q = torch.randn(int(qsl[-1]), heads, dim, generator=g)
+    seq = torch.tensor(seq_lens, dtype=torch.int32)
+    ref = reference_paged_attention(q.double(), kc.double(), vc.double(), tables, seq, qsl, bs)
+    ours, plain = torch.full_like(q, float("nan")), torch.empty_like(q)
+    K.paged_attention(ours, q, kc, vc, tables, seq, qsl, bs, dim ** -0.5, dot_min_queries=9)
+    K.paged_attention(plain, q, kc, vc, tables, seq, qsl, bs, dim ** -0.5)
+    torch.testing.assert_close(ours.double(), ref, rtol=0, atol=2e-2)
+    assert not torch.equal(ours, plain)  # the dot products ran
+
+
 def test_paged_attention_dot_prefill_stays_off_where_it_cannot_run() -> None:
     """A float32 cache, or a head dim other than 64, keeps the float32 products whatever dot_min_queries says."""
     for cache_dtype, dim in ((torch.float32, 64), (torch.bfloat16, 40)):

@@ -178,6 +178,27 @@ inline __m512 exp512(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
+// exp(x) of 16 lanes for x <= 0 (probabilities of a softmax) in 11 instructions against exp512's 17: x = n ln 2 + r
+// with n = round(x log2 e) and |r| <= ln 2 / 2 (ln 2 in two parts, as exp512), e^r by its Taylor polynomial of
+// degree 6, scaled by 2^n (vscalefps: 0 far below, without exp512's clamps and exponent arithmetic). Over 1.6M x in
+// [-30, 0]: at most 2.2e-7 from exp in float64 (exp512: 1.2e-7). A version in base 2 (scores times log2 e, one
+// rounding less) erred by 1.9e-6 and moved the real-model top-1 agreement test from 0.993 to 0.986; this one keeps
+// 0.993.
+inline __m512 exp512_nonpositive(__m512 x) {
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 y = _mm512_set1_ps(1.f / 720);
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 120));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 24));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f / 6));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(0.5f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
+  y = _mm512_fmadd_ps(y, r, _mm512_set1_ps(1.f));
+  return _mm512_scalef_ps(y, n);
+}
+
 // 16 float32 lanes as bfloat16, rounded to nearest even (NaN kept quiet), as f32_to_bf16 / convert round them.
 inline __m256i bf16x16_of(__m512 f) {
   const __m512i u = _mm512_castps_si512(f);
