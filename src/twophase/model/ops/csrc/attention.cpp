@@ -21,6 +21,7 @@ constexpr int64_t Q_TILE = 16;     // query positions per work item (times `grou
 // cores, medians of 5 runs, 90.9 ms against 95.3 at 16 and 99.4 at 64 (with the row blocks' skip; at 16 it skips
 // nothing)
 constexpr int32_t DOT_Q_TILE = 32;
+constexpr int64_t kMaxDotBlocks = 16;  // tiles of rows an attend_dot item may take (192 rows: 16 query heads a kv head)
 // A request with at most this many queries (a decode row, a short speculative check) is one work item over all its
 // kv heads when there are enough such requests to share the threads: a cache slot holds every kv head's row
 // side by side ([slots, KVH, D]), so one item per kv head read a third of each slot's bytes at a time (a strided
@@ -697,7 +698,6 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
 
 #ifdef TP_HAVE_BF16_DOT
 static_assert(KEY_CHUNK == kDotCols, "attend_dot scores one key chunk as one panel of 32 columns");
-constexpr int64_t kMaxDotBlocks = 16;  // tiles of rows an item may take (Q_TILE x groups rows: 192, 16 query heads a kv head)
 
 // attend() for a prefill item (one kv head, bfloat16 cache, D == 64) on AVX512-BF16 dot products, as flash
 // attention runs in bfloat16: the scaled queries and each chunk's probabilities rounded to bfloat16, products summed
@@ -802,25 +802,28 @@ void attend_dot(const Args& a, const WorkItem& w, const QT* q, QT* out, const ui
 }
 #endif
 
-// Whether item w runs on attend_dot: a request of dot_min_queries or more queries, one kv head, D == 64, where built.
-inline bool takes_dot(const Args& a, const WorkItem& w) {
+// Whether a request of q_len queries over a bfloat16 cache takes attend_dot: dot_min_queries or more, D == 64,
+// where built. Its items do where they are of one kv head and fit one item's tiles (takes_dot).
+inline bool dot_request(const Args& a, int64_t q_len) {
 #ifdef TP_HAVE_BF16_DOT
-  return a.dot_min_queries > 0 && a.D == 64 && w.kv1 - w.kv0 == 1 && w.rows(a.groups) <= kMaxDotBlocks * kDotMaxRows &&
-         a.qsl[w.req + 1] - a.qsl[w.req] >= a.dot_min_queries;
+  return a.dot_min_queries > 0 && a.D == 64 && q_len >= a.dot_min_queries;
 #else
-  (void)a, (void)w;
+  (void)a, (void)q_len;
   return false;
 #endif
 }
 
-// Query positions an item of a request that attend_dot may take (its rows within what one item can hold).
-inline int32_t dot_query_tile(int64_t groups) {
-#ifdef TP_HAVE_BF16_DOT
-  return static_cast<int32_t>(std::max<int64_t>(Q_TILE, std::min<int64_t>(DOT_Q_TILE, kMaxDotBlocks * kDotMaxRows / groups)));
-#else
-  (void)groups;
-  return Q_TILE;
-#endif
+// Whether item w (of a bfloat16 cache) runs on attend_dot.
+inline bool takes_dot(const Args& a, const WorkItem& w) {
+  return dot_request(a, a.qsl[w.req + 1] - a.qsl[w.req]) && w.kv1 - w.kv0 == 1 &&
+         w.rows(a.groups) <= kMaxDotBlocks * kDotMaxRows;
+}
+
+// Query positions a work item of a request of q_len queries takes: DOT_Q_TILE on attend_dot (as many as one item's
+// tiles hold), else Q_TILE.
+inline int32_t query_tile(const Args& a, int64_t q_len, bool bf16_cache) {
+  if (!bf16_cache || !dot_request(a, q_len)) return Q_TILE;
+  return static_cast<int32_t>(std::max<int64_t>(Q_TILE, std::min<int64_t>(DOT_Q_TILE, kMaxDotBlocks * kDotMaxRows / a.groups)));
 }
 
 // Runs all work items with dynamic scheduling over torch's intra-op threads.
@@ -919,8 +922,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
       if (q_len > 0) items.push_back({r, 0, static_cast<int32_t>(KVH), 0, q_len});
       continue;
     }
-    const bool dot = ct == at::kBFloat16 && a.D == 64 && dot_min_queries > 0 && q_len >= dot_min_queries;
-    const int32_t tile = dot ? dot_query_tile(a.groups) : Q_TILE;
+    const int32_t tile = query_tile(a, q_len, ct == at::kBFloat16);
     for (int32_t g = 0; g < KVH; ++g)
       for (int32_t i = 0; i < q_len; i += tile) items.push_back({r, g, g + 1, i, std::min<int32_t>(i + tile, q_len)});
   }

@@ -76,7 +76,7 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, b
   std::vector<int32_t> xp(M * pairs);
   const int64_t grain = M * K >= (int64_t{1} << 18) ? 1 : blocks;  // parallel_for runs a range under grain inline
   at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    std::vector<uint16_t> scratch(kDotMaxRows * K);
+    std::vector<uint16_t> scratch(xc.scalar_type() == at::kFloat ? kDotMaxRows * K : 0);  // float32 rows rounded
     for (int64_t b = b0; b < b1; ++b) {
       const int64_t r0 = starts[b], rows = starts[b + 1] - r0;
       if (xc.scalar_type() == at::kFloat)
