@@ -105,30 +105,6 @@ def test_bf16_gemm_rows_do_not_depend_on_the_batch() -> None:
         assert torch.equal(together, alone), m
 
 
-@needs_bf16_dot
-@pytest.mark.parametrize(("f", "k"), [(1536, 576), (32, 18), (96, 68)])
-@pytest.mark.parametrize("m", [1, 8, 13, 32, 127, 300])
-def test_bf16_gemm_silu_is_the_two_passes_bit_for_bit(m: int, f: int, k: int) -> None:
-    """bf16_gemm_silu over a [gate; up] weight (2F outputs): silu_and_mul_widened of bf16_gemm's bfloat16 [M, 2F]
-    result, bit for bit, from float32 or bfloat16 rows (M = 1 .. 300 spreads rows over tiles of 1-12). Values up to
-    ~+-40 reach SiLU's tails on both sides."""
-    g = torch.Generator().manual_seed(m * 100 + f)
-    w = (torch.randn(2 * f, k, generator=g) * 0.3).bfloat16()
-    packed = K.pack_bf16_gemm(w)
-    for x in (torch.randn(m, k, generator=g) * 3, (torch.randn(m, k, generator=g) * 3).bfloat16()):
-        fused = K.bf16_gemm_silu(x, packed, 2 * f)
-        assert fused.dtype == torch.bfloat16 and fused.shape == (m, f)
-        assert torch.equal(fused, K.silu_and_mul_widened(K.bf16_gemm(x, packed, 2 * f, True))), x.dtype
-
-
-@needs_bf16_dot
-def test_bf16_gemm_silu_wants_whole_panels_each_half() -> None:
-    """The gate and up halves must each be whole 32-output panels (2F a multiple of 64)."""
-    packed = K.pack_bf16_gemm(torch.zeros(96, 8, dtype=torch.bfloat16))
-    with pytest.raises(RuntimeError, match="whole panels"):
-        K.bf16_gemm_silu(torch.zeros(3, 8), packed, 96)
-
-
 def test_bf16_gemm_checks_its_arguments() -> None:
     """Odd K is refused when packing; a weight of another K or N, or a build without AVX512-BF16, when multiplying."""
     with pytest.raises(RuntimeError, match="even"):

@@ -24,9 +24,7 @@ Kernels (all CPU, OpenMP over torch's intra-op threads, AVX2/FMA with a scalar f
 - ``bf16_gemm_available()``, ``pack_bf16_gemm(weight)``, ``bf16_gemm(x, packed, n, bf16_out)`` (``csrc/gemm_bf16.cpp``,
   where the CPU has AVX512-BF16): y = x @ w.T for a bfloat16 w [N, K] (K even) in panels of 32 outputs with k in
   pairs, x float32 / bfloat16 [M, K] rounded to bfloat16, float32 sums on ``vdpbf16ps``, the result rounded to
-  bfloat16 (``bf16_out``) or those values as float32; written for 8-127 rows. ``bf16_gemm_silu(x, packed, n)``: of a
-  [gate; up] weight (n / 2 a multiple of 32), ``silu_and_mul_widened(bf16_gemm(x, packed, n, True))`` bit for bit in
-  one pass (bfloat16 [M, n / 2]).
+  bfloat16 (``bf16_out``) or those values as float32; written for 8-127 rows.
 - ``LinearOp(kind, tensors, bias=None, batch_invariant=False, out_features=0)``: one packed projection
   (``panels`` / ``int8`` (panels, scale), both with their ``out_features`` / ``q8_0`` / ``q4_1``) over the linear
   kernels above; ``set_gemm_weight`` / ``set_dot_weight`` give it torch's or ``bf16_gemm``'s GEMM for many rows

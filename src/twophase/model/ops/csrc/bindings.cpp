@@ -43,9 +43,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"));
   m.def("bf16_gemm", &tp::bf16_gemm, "y = x @ w.T on bfloat16 dot products (w packed by pack_bf16_gemm)",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bf16_out"), py::call_guard<py::gil_scoped_release>());
-  m.def("bf16_gemm_silu", &tp::bf16_gemm_silu,
-        "silu(gate) * up of a [gate; up] weight packed by pack_bf16_gemm (n outputs), bfloat16 [M, n / 2]",
-        py::arg("x"), py::arg("packed"), py::arg("n"), py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &tp::rms_norm, "weight * rms_norm(x)", py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("add_rms_norm_", &tp::add_rms_norm_, "in place: residual += x; x = weight * rms_norm(residual)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));

@@ -213,13 +213,6 @@ inline __m256i bf16x16_of(__m512 f) {
   r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
   return _mm512_cvtepi32_epi16(r);
 }
-
-// bfloat16(silu(g) * u) of 16 lanes, g and u float32 (widened bfloat16 values): silu_and_mul_widened's arithmetic,
-// lane for lane silu8's (g / (1 + exp(-g))); also bf16_gemm_silu's store.
-inline __m256i silu_mul_bf16x16(__m512 g, __m512 u) {
-  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-  return bf16x16_of(_mm512_mul_ps(silu, u));
-}
 #endif
 
 inline void convert(uint16_t* dst, const float* src, int64_t n) {

@@ -2,9 +2,7 @@
 // (vdpbf16ps: 32 products a cycle a core). Written for the rows of a batched decode step (5-127), where oneDNN's
 // GEMM on its reordered weight used 47-72% of that rate on SmolLM2's shapes (2 Zen 4 cores: 218-331 of the 460
 // GFLOP/s measured, 32 rows) and this kernel 65-87%. Larger M (prefill) stays with oneDNN, which blocks for the
-// caches (this kernel has no cache blocking: 0.67-1.01x oneDNN's time at 2,048 rows), except a weight much wider
-// than deep (gate/up, gemm.py's DOT_EVERY_ROW_MIN_RATIO); bf16_gemm_silu runs gate/up through SiLU-and-mul as it
-// stores. Rows in L2-sized chunks, every panel a chunk, were slower at 2,048 rows (session 41). Tried without a gain on
+// caches (this kernel has no cache blocking: 0.67-1.01x oneDNN's time at 2,048 rows). Tried without a gain on
 // cold weights (the engine's case: 30 layers of weights, 25-28 ms a 32-row step either way): software prefetch of the
 // next panel, and K in chunks of 32-128 pairs run through every row block while in L1.
 #include <ATen/ATen.h>
@@ -55,24 +53,17 @@ at::Tensor pack_bf16_gemm(const at::Tensor& weight) {
   return out;
 }
 
-namespace {
-// bf16_gemm and bf16_gemm_silu: out = x W^T over the packed panels, or with gated, silu(gate) * up of a [gate; up]
-// weight (gate outputs 0 .. n/2 - 1, up outputs n/2 .. n - 1; n/2 a multiple of 32): gate panel j and up panel
-// j + P/2 of the same rows go one after the other, and the gate tile waits in registers for its up tile.
-at::Tensor dot_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool bf16_out, bool gated) {
-  const char* name = gated ? "bf16_gemm_silu" : "bf16_gemm";
-  TORCH_CHECK(bf16_gemm_available(), name, ": built without AVX512-BF16");
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool bf16_out) {
+  TORCH_CHECK(bf16_gemm_available(), "bf16_gemm: built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
-              name, ": x must be a float32 or bfloat16 [M, K] tensor");
+              "bf16_gemm: x must be a float32 or bfloat16 [M, K] tensor");
   TORCH_CHECK(packed.dim() == 4 && packed.size(2) == kDotCols && packed.size(3) == 2 &&
                   packed.scalar_type() == at::kBFloat16 && packed.is_contiguous(),
-              name, ": packed must come from pack_bf16_gemm");
+              "bf16_gemm: packed must come from pack_bf16_gemm");
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), pairs = packed.size(1);
-  TORCH_CHECK(K == 2 * pairs, name, ": x has ", K, " columns, the weight ", 2 * pairs);
-  TORCH_CHECK(n > (P - 1) * kDotCols && n <= P * kDotCols, name, ": n does not match the packed panels");
-  TORCH_CHECK(!gated || n % (2 * kDotCols) == 0, name, ": the gate and up halves must be whole panels each");
-  const int64_t n_out = gated ? n / 2 : n;  // output columns
-  at::Tensor out = at::empty({M, n_out}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  TORCH_CHECK(K == 2 * pairs, "bf16_gemm: x has ", K, " columns, the weight ", 2 * pairs);
+  TORCH_CHECK(n > (P - 1) * kDotCols && n <= P * kDotCols, "bf16_gemm: n does not match the packed panels");
+  at::Tensor out = at::empty({M, n}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (M == 0) return out;
 #ifdef TP_HAVE_BF16_DOT
   const at::Tensor xc = x.contiguous();
@@ -97,21 +88,21 @@ at::Tensor dot_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, bo
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* out16 = bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   float* out32 = bf16_out ? nullptr : out.data_ptr<float>();
-  const int64_t L = gated ? P / 2 : P;  // output panels: a gate / up pair each where gated
-  // a few output panels an item, so that dynamic scheduling balances two threads without an item per panel
-  const int64_t per_item = std::max<int64_t>(1, L / (8 * std::max(1, at::get_num_threads())));
-  const int64_t items = (L + per_item - 1) / per_item;
-  const int64_t panel_elems = pairs * 2 * kDotCols, panel_bytes = panel_elems * static_cast<int64_t>(sizeof(uint16_t));
+  // a few panels an item, so that dynamic scheduling balances two threads without an item per panel
+  const int64_t per_item = std::max<int64_t>(1, P / (8 * std::max(1, at::get_num_threads())));
+  const int64_t items = (P + per_item - 1) / per_item;
+  const int64_t panel_bytes = pairs * 2 * kDotCols * static_cast<int64_t>(sizeof(uint16_t));
   dynamic_for(items, [] { return 0; }, [&](int64_t i, int) {
-    for (int64_t j = i * per_item; j < std::min(L, (i + 1) * per_item); ++j) {
-      const int64_t cols = std::min(kDotCols, n_out - j * kDotCols);
+    for (int64_t p = i * per_item; p < std::min(P, (i + 1) * per_item); ++p) {
+      const int64_t cols = std::min(kDotCols, n - p * kDotCols);
       const __mmask16 m0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
       const __mmask16 m1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
       for (int64_t b = 0; b < blocks; ++b) {
         const int64_t r0 = starts[b];
-        // output row r0 + r's 32 columns of panel j: stored in bfloat16 as such, or widened
-        auto put = [&](int r, __m256i h0, __m256i h1) {
-          const int64_t at = (r0 + r) * n_out + j * kDotCols;
+        // the rows' sums rounded once to bfloat16, stored as such or widened
+        auto store = [&](int r, __m512 c0, __m512 c1) {
+          const int64_t at = (r0 + r) * n + p * kDotCols;
+          const __m256i h0 = (__m256i)_mm512_cvtneps_pbh(c0), h1 = (__m256i)_mm512_cvtneps_pbh(c1);
           if (out16) {
             uint16_t* o = out16 + at;
             _mm256_mask_storeu_epi16(o, m0, h0);
@@ -122,50 +113,20 @@ at::Tensor dot_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, bo
             _mm512_mask_storeu_ps(o + 16, m1, widen_bf16x16(h1));
           }
         };
-        // one tile of physical panel p: its first row block reads the panel from memory and prefetches ahead into
-        // L1; blocks after the first bring panel `next`'s share into L2 (a line a pair: half a panel where there
-        // are two blocks, as measured)
-        auto tile = [&](auto mr, int64_t p, int64_t next, auto&& store) {
-          const char* next_share = b == 0 || next >= P ? nullptr
-                                                       : reinterpret_cast<const char*>(wp + next * panel_elems) +
-                                                             (b - 1) * panel_bytes / (blocks - 1);
-          dot_tile<decltype(mr)::value>(xp.data() + r0 * pairs, wp + p * panel_elems, pairs, nullptr, 0, store,
-                                        b == 0 ? kPrefetchPairs : 0, next_share);
-        };
         with_tile_rows(starts[b + 1] - r0, [&](auto mr) {
-          if (!gated) {
-            // the rows' sums rounded once to bfloat16
-            tile(mr, j, j + 1, [&](int r, __m512 c0, __m512 c1) {
-              put(r, (__m256i)_mm512_cvtneps_pbh(c0), (__m256i)_mm512_cvtneps_pbh(c1));
-            });
-            return;
-          }
-          // the gate tile rounded to bfloat16 and widened, then silu(gate) * up as silu_and_mul_widened computes
-          // it from the two bfloat16 results (the same bits as that pass over bf16_gemm's [M, n] output)
-          __m512 g0[kDotMaxRows], g1[kDotMaxRows];
-          tile(mr, j, j + 1, [&](int r, __m512 c0, __m512 c1) {
-            g0[r] = widen_bf16x16((__m256i)_mm512_cvtneps_pbh(c0));
-            g1[r] = widen_bf16x16((__m256i)_mm512_cvtneps_pbh(c1));
-          });
-          tile(mr, L + j, L + j + 1, [&](int r, __m512 c0, __m512 c1) {
-            put(r, silu_mul_bf16x16(g0[r], widen_bf16x16((__m256i)_mm512_cvtneps_pbh(c0))),
-                silu_mul_bf16x16(g1[r], widen_bf16x16((__m256i)_mm512_cvtneps_pbh(c1))));
-          });
+          // blocks after the first bring the next panel into L2, a share each (a line a pair: half the panel where
+          // there are two blocks, as measured)
+          const char* next_share = b == 0 ? nullptr
+                                          : reinterpret_cast<const char*>(wp + (p + 1) * pairs * 2 * kDotCols) +
+                                                (b - 1) * panel_bytes / (blocks - 1);
+          dot_tile<decltype(mr)::value>(xp.data() + r0 * pairs, wp + p * pairs * 2 * kDotCols, pairs, nullptr, 0, store,
+                                        b == 0 ? kPrefetchPairs : 0, next_share);
         });
       }
     }
   });
 #endif
   return out;
-}
-}  // namespace
-
-at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool bf16_out) {
-  return dot_gemm(x, packed, n, bf16_out, /*gated=*/false);
-}
-
-at::Tensor bf16_gemm_silu(const at::Tensor& x, const at::Tensor& packed, int64_t n) {
-  return dot_gemm(x, packed, n, /*bf16_out=*/true, /*gated=*/true);
 }
 
 }  // namespace tp

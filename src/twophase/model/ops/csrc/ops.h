@@ -55,9 +55,6 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
 bool bf16_gemm_available();
 at::Tensor pack_bf16_gemm(const at::Tensor& weight);
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool bf16_out);
-// silu(gate) * up of a [gate; up] weight's bf16_gemm (n outputs, n / 2 a multiple of 32) -> bfloat16 [M, n / 2]:
-// silu_and_mul_widened(bf16_gemm(x, packed, n, true)) bit for bit, without the [M, n] product.
-at::Tensor bf16_gemm_silu(const at::Tensor& x, const at::Tensor& packed, int64_t n);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);

@@ -32,9 +32,6 @@ class LinearOp {
   bool gives_bfloat16(int64_t rows) const;
   // The GEMM's own result [M, N] in the copy's dtype (x in any float dtype): operator()'s values before widening.
   at::Tensor gemm_unwidened(const at::Tensor& x) const;
-  // silu_and_mul_widened(gemm_unwidened(x)) for a [gate; up] projection that gives_bfloat16: bfloat16 [M, N / 2].
-  // On the dot products (N / 2 a multiple of 32) one pass stores it (bf16_gemm_silu), the same bits.
-  at::Tensor silu_gated_unwidened(const at::Tensor& x) const;
 
  private:
   at::Tensor gemm(const at::Tensor& x) const;
