@@ -39,7 +39,7 @@ struct Args {
   int64_t q_s0, o_s0, k_s0, k_s1, v_s0, v_s1;  // element strides: q token, out token; cache slot and head
   float scale;
   const int32_t *block_tables, *seq_lens, *qsl;
-  int64_t dot_min_queries;  // requests with this many queries (0: none) take attend_dot (bfloat16 cache, D = 64)
+  int64_t dot_min_queries;  // requests with this many queries take attend_dot (D = 64); 0: none, as for a float32 cache
 };
 
 // Per-thread scratch, sized for one work item.
@@ -802,8 +802,9 @@ void attend_dot(const Args& a, const WorkItem& w, const QT* q, QT* out, const ui
 }
 #endif
 
-// Whether a request of q_len queries over a bfloat16 cache takes attend_dot: dot_min_queries or more, D == 64,
-// where built. Its items do where they are of one kv head and fit one item's tiles (takes_dot).
+// Whether a request of q_len queries takes attend_dot: dot_min_queries or more (never over a float32 cache: Args
+// holds 0 there), D == 64, where built. Its items do where they are of one kv head and fit one item's tiles
+// (takes_dot).
 inline bool dot_request(const Args& a, int64_t q_len) {
 #ifdef TP_HAVE_BF16_DOT
   return a.dot_min_queries > 0 && a.D == 64 && q_len >= a.dot_min_queries;
@@ -813,7 +814,7 @@ inline bool dot_request(const Args& a, int64_t q_len) {
 #endif
 }
 
-// Whether item w (of a bfloat16 cache) runs on attend_dot.
+// Whether item w runs on attend_dot.
 inline bool takes_dot(const Args& a, const WorkItem& w) {
   return dot_request(a, a.qsl[w.req + 1] - a.qsl[w.req]) && w.kv1 - w.kv0 == 1 &&
          w.rows(a.groups) <= kMaxDotBlocks * kDotMaxRows;
@@ -821,22 +822,21 @@ inline bool takes_dot(const Args& a, const WorkItem& w) {
 
 // Query positions a work item of a request of q_len queries takes: DOT_Q_TILE on attend_dot (as many as one item's
 // tiles hold), else Q_TILE.
-inline int32_t query_tile(const Args& a, int64_t q_len, bool bf16_cache) {
-  if (!bf16_cache || !dot_request(a, q_len)) return Q_TILE;
+inline int32_t query_tile(const Args& a, int64_t q_len) {
+  if (!dot_request(a, q_len)) return Q_TILE;
   return static_cast<int32_t>(std::max<int64_t>(Q_TILE, std::min<int64_t>(DOT_Q_TILE, kMaxDotBlocks * kDotMaxRows / a.groups)));
 }
 
 // Runs all work items with dynamic scheduling over torch's intra-op threads.
 template <class T, class QT>
 void run_items(const Args& a, const std::vector<WorkItem>& items, const QT* q, QT* out, const T* kc, const T* vc) {
-  constexpr bool bf16_cache = std::is_same_v<T, uint16_t>;  // attend_dot reads bfloat16 caches only
   int64_t max_rows = 0;
   bool any_dot = false;
-  for (const WorkItem& w : items) max_rows = std::max(max_rows, w.rows(a.groups)), any_dot |= bf16_cache && takes_dot(a, w);
+  for (const WorkItem& w : items) max_rows = std::max(max_rows, w.rows(a.groups)), any_dot |= takes_dot(a, w);
   dynamic_for(static_cast<int64_t>(items.size()), [&] { return Scratch(max_rows, a.D, any_dot); },
               [&](int64_t i, Scratch& sc) {
 #ifdef TP_HAVE_BF16_DOT
-                if constexpr (bf16_cache) {
+                if constexpr (std::is_same_v<T, uint16_t>) {  // attend_dot reads bfloat16 caches only
                   if (takes_dot(a, items[i])) return attend_dot<QT>(a, items[i], q, out, kc, vc, sc);
                 }
 #endif
@@ -897,7 +897,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   Args a{H, KVH, q.size(2), H / KVH, block_size, bt.size(1), q.stride(0), H * q.size(2),
          k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
          static_cast<float>(scale), bt.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), qsl.data_ptr<int32_t>(),
-         dot_min_queries};
+         ct == at::kBFloat16 ? dot_min_queries : 0};  // attend_dot reads bfloat16 caches only
   TORCH_CHECK(dot_min_queries >= 0, "dot_min_queries must be >= 0 (0: never)");
   TORCH_CHECK(dense_min_queries >= 0, "dense_min_queries must be >= 0 (0: never)");
   const bool dense_ok = dense_min_queries > 0 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
@@ -922,7 +922,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
       if (q_len > 0) items.push_back({r, 0, static_cast<int32_t>(KVH), 0, q_len});
       continue;
     }
-    const int32_t tile = query_tile(a, q_len, ct == at::kBFloat16);
+    const int32_t tile = query_tile(a, q_len);
     for (int32_t g = 0; g < KVH; ++g)
       for (int32_t i = 0; i < q_len; i += tile) items.push_back({r, g, g + 1, i, std::min<int32_t>(i + tile, q_len)});
   }
