@@ -32,3 +32,13 @@ def import_or_missing(name: str, module_level: bool = False) -> ModuleType:
         return importlib.import_module(name)
     except ImportError as exc:
         missing(f"{name} is not importable ({exc})", module_level)
+
+
+def built_kernels() -> ModuleType:
+    """The C++ kernels (built by the set-up), or their absence treated as a missing prerequisite."""
+    from twophase.model.ops.extension import load_kernels
+
+    kernels = load_kernels()
+    if kernels is None:
+        missing("the C++ kernels did not build")
+    return kernels

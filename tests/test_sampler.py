@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
 
+from prerequisites import built_kernels
 from twophase.sample import Sampler, SamplingState
 from twophase.sampling_params import SamplingParams
 
@@ -243,7 +243,7 @@ def reference_keep(logits: torch.Tensor, k: int, p: float) -> torch.Tensor:
 def test_top_k_top_p_window_matches_full_sort(scale: float, windows: int, selection: bool) -> None:
     from twophase.sample.top_k_top_p import TOP_P_WINDOW, apply_top_k_top_p_
 
-    kernels = require_kernels() if selection else None
+    kernels = built_kernels() if selection else None
     vocab = windows * TOP_P_WINDOW
     logits = torch.randn(6, vocab, generator=torch.Generator().manual_seed(1)) * scale
     top_k = [vocab, 10, vocab, 600, vocab, 3]
@@ -256,24 +256,13 @@ def test_top_k_top_p_window_matches_full_sort(scale: float, windows: int, select
         assert torch.equal(out[i][kept], logits[i][kept])
 
 
-def require_kernels():
-    """The C++ kernels (built by the set-up): under CI a missing build fails, elsewhere the test skips."""
-    from twophase.model.ops.extension import load_kernels
-
-    kernels = load_kernels()
-    if kernels is None:
-        if os.environ.get("CI"):
-            pytest.fail("the C++ kernels did not build")
-        pytest.skip("no C++ kernels")
-    return kernels
-
 
 def test_top_p_selection_edges() -> None:
     """The kernels' top-p selection on rows a sort handles without thought: -inf entries (never kept, never
     counted), top_p 0 (the best alone), top_p 1 and rows of NaN or only -inf (left as they are), ties at the cut
     (kept together), and 32 rows of a SmolLM2-sized vocabulary against the full sort, flat to peaked, one of them
     with its mass where the sample that brackets the cut does not look."""
-    kernels = require_kernels()
+    kernels = built_kernels()
     inf = float("inf")
     rows = torch.tensor([[0.0, -inf, 1.0, 2.0, -inf, 1.0],  # mass above 1.0 is e^2/(e^2+2e+1) < 0.9: both 1.0 kept
                          [0.0, -inf, 1.0, 2.0, -inf, 1.0],
@@ -308,7 +297,7 @@ def test_top_p_selection_edges() -> None:
 def test_argmax_rows_is_torch_max_indices(n: int) -> None:
     """The kernels' greedy argmax equals torch.max's indices: ties (the first maximum), NaN (the first NaN, wherever
     it lies), rows of -inf, rows shorter than a vector and vector tails, strided rows; n = 0 is refused."""
-    kernels = require_kernels()
+    kernels = built_kernels()
     g = torch.Generator().manual_seed(n)
     x = torch.randn(6, n + 3, generator=g)[:, :n]  # rows 3 apart beyond n: strided
     x[0, n // 2] = x[0].max()  # a tie with an earlier maximum

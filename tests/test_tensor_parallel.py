@@ -135,11 +135,19 @@ def test_qwen2_biases_split_with_their_rows(tiny_qwen2_dir):
 
 @pytest.mark.parametrize("quantization", ["none", "q8_0"])
 def test_fast_paths_float32_tokens_equal_tp1(tiny_llama_dir, quantization):
-    """C++ linear and attention kernels in float32, and Q8_0 shards packed like the full weights."""
+    """C++ linear and attention kernels in float32, and Q8_0 shards packed like the full weights. Q8_0 from 8 rows
+    on the int8 GEMM (AVX512-VNNI): each rank's row-parallel half sums its blocks in one float32 chain, then the
+    all-reduce adds the halves, another order than one chain over all blocks, so the logits agree within float32
+    rounding and the greedy tokens of this random model may part at a near tie; without it, tokens are equal."""
     reference = make_engine(tiny_llama_dir, 1, dtype="float32", quantization=quantization)
     engine = make_engine(tiny_llama_dir, 2, dtype="float32", quantization=quantization)
     try:
-        assert staggered_tokens(engine) == staggered_tokens(reference)
+        ours = engine.model_runner.forward_logits_raw(packed_batch())
+        expected = reference.model_runner.forward_logits_raw(packed_batch())
+        torch.testing.assert_close(ours, expected, rtol=1e-5, atol=1e-5 * expected.abs().max().item())
+        int8_gemm = any(getattr(m, "int8_gemm", None) is not None for m in reference.model_runner.model.modules())
+        if not int8_gemm:
+            assert staggered_tokens(engine) == staggered_tokens(reference)
         assert "plain torch" not in engine.model_runner.describe() or "plain torch" in reference.model_runner.describe()
     finally:
         engine.close()

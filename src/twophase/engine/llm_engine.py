@@ -51,8 +51,12 @@ def resolve_dtype(name: str, device: torch.device, weights_in_blocks: bool = Fal
 
 
 def engine_dtype(config: EngineConfig, source) -> torch.dtype:
-    """The dtype the engine of ``config`` runs ``source`` in (``resolve_dtype`` with what the source stores)."""
-    in_blocks = config.quantization == "none" and source.stores_native_blocks()
+    """The dtype the engine of ``config`` runs ``source`` in (``resolve_dtype`` with what the source stores): weights
+    in GGUF blocks are those stored without quantization or as stored (gguf), and those a block format asks for
+    (q8_0, q4_1), whose kernels round float32 activations to int8 blocks (bfloat16 ones would be rounded twice, and
+    keep the decoder stack out)."""
+    stored = config.quantization in ("none", "gguf") and source.stores_native_blocks()
+    in_blocks = stored or config.quantization in ("q8_0", "q4_1")
     return resolve_dtype(config.dtype, torch.device(config.device), in_blocks)
 
 

@@ -27,18 +27,25 @@ from twophase.sample import Sampler, SamplingState
 log = logging.getLogger(__name__)
 
 
+# Weight formats whose kernels round each activation row to int8 blocks (llama.cpp's Q8 activations).
+ROUNDING_QUANTIZATIONS = ("q8_0", "q4_1", "gguf")
+
+
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V for one block across all layers."""
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
 
 
-def resolve_cache_dtype(name: str, model_dtype: torch.dtype, gemm_dtype: torch.dtype | None = None) -> torch.dtype:
-    """The KV cache's dtype for ``--kv-cache-dtype``: auto is the model's dtype, or bfloat16 where the projections'
-    GEMMs run in bfloat16 (``gemm_dtype``: that mode already gives up float32's exactness; on the AMX Xeon an S1-shaped
-    offline run made 421-424 output tok/s with it against 372-375); bfloat16 under a float32 model stores half the
-    bytes (K and V rounded to nearest even when written, read back as float32 by attention)."""
-    auto = torch.bfloat16 if gemm_dtype == torch.bfloat16 and model_dtype == torch.float32 else model_dtype
+def resolve_cache_dtype(name: str, model_dtype: torch.dtype, gemm_dtype: torch.dtype | None = None,
+                        quantization: str = "none") -> torch.dtype:  # fmt: skip
+    """The KV cache's dtype for ``--kv-cache-dtype``: auto is the model's dtype, or bfloat16 under a float32 model whose
+    projections give up float32's exactness already: GEMMs in bfloat16 (``gemm_dtype``; on the AMX Xeon an S1-shaped
+    offline run made 421-424 output tok/s with it against 372-375), or GGUF block formats (``quantization``: their
+    kernels round every activation row to int8 blocks). bfloat16 under a float32 model stores half the bytes (K and V
+    rounded to nearest even when written, read back as float32 by attention)."""
+    lossy = gemm_dtype == torch.bfloat16 or quantization in ROUNDING_QUANTIZATIONS
+    auto = torch.bfloat16 if lossy and model_dtype == torch.float32 else model_dtype
     dtypes = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16}
     if name not in dtypes:
         raise ValueError(f"unknown KV cache dtype {name!r}; choose auto, float32 or bfloat16")
@@ -103,7 +110,8 @@ class ModelRunner:
         self.device = device
         kernels = self._linear_kernels(options)
         self.gemm_dtype = options.gemm_dtype if kernels is not None else None  # the kernels' op takes the GEMM
-        self.cache_dtype = resolve_cache_dtype(cache_config.cache_dtype, dtype, self.gemm_dtype)
+        self.quantization = options.quantization
+        self.cache_dtype = resolve_cache_dtype(cache_config.cache_dtype, dtype, self.gemm_dtype, options.quantization)
         self.backend = make_attention_backend(
             options.attention_backend, self.local_config.num_attention_heads, self.local_config.num_key_value_heads,
             model_config.head_dim, device, dtype, prefill_products=self._prefill_products(kernels),
@@ -144,7 +152,8 @@ class ModelRunner:
         float32 products against 5.9-6.5 through SDPA; 8 x 256 tokens 9.1-11.6 against 12.2-15.2 (on 2 AMX Xeon
         cores SDPA took 1.8-2.5x less than the kernel from 64 queries on). The dot products took 1.9 / 4.5 ms there
         (``attention.DOT_MIN_QUERIES``)."""
-        if not self.cache_dtype == self.gemm_dtype == torch.bfloat16:
+        lossy = self.gemm_dtype == torch.bfloat16 or self.quantization in ROUNDING_QUANTIZATIONS
+        if not (lossy and self.cache_dtype == torch.bfloat16):
             return "float32"
         if hardware.cpu_has_amx():
             return "sdpa"
@@ -215,6 +224,10 @@ class ModelRunner:
         """Bytes held by the KV cache tensors."""
         return self.num_blocks * kv_bytes_per_block(self.local_config, self.block_size, self.cache_dtype)
 
+    def _runs_int8_gemms(self) -> bool:
+        """Whether block-format layers run many rows on the int8 GEMM (``QuantizedLinear.use_int8_gemm``)."""
+        return any(getattr(m, "int8_gemm", None) is not None for m in self.model.modules())
+
     def describe(self) -> str:
         """One line for start-up logs: weight format, kernels, attention backend, KV cache size."""
         tokens = self.num_blocks * self.block_size
@@ -222,6 +235,7 @@ class ModelRunner:
         return (
             f"weights {weights} ({'C++ kernels' if self.linear_kernels else 'plain torch'}"
             + (f"; {str(self.gemm_dtype).removeprefix('torch.')} GEMMs for many rows" if self.gemm_dtype else "")
+            + ("; int8 GEMMs for many rows" if self._runs_int8_gemms() else "")
             + "), attention "
             f"{self.backend.name}, KV cache {self.num_blocks} blocks x {self.block_size} = {tokens} tokens "
             f"({self.kv_cache_bytes / 2**20:.0f} MiB, {str(self.cache_dtype).removeprefix('torch.')}), "

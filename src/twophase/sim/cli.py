@@ -163,7 +163,7 @@ def _engine_shape(config: Any, num_kv_blocks: int | None) -> tuple[int, int]:
         return max_len, num_kv_blocks
     device = torch.device(config.device)
     cache_dtype = resolve_cache_dtype(config.cache.cache_dtype, engine_dtype(config, source),
-                                      resolve_gemm_dtype(config, source))
+                                      resolve_gemm_dtype(config, source), config.quantization)
     per_block = kv_bytes_per_block(model_config, config.cache.block_size, cache_dtype)
     budget = config.cache.kv_cache_memory_bytes
     if budget is None:

@@ -25,10 +25,14 @@ Kernels (all CPU, OpenMP over torch's intra-op threads, AVX2/FMA with a scalar f
   where the CPU has AVX512-BF16): y = x @ w.T for a bfloat16 w [N, K] (K even) in panels of 32 outputs with k in
   pairs, x float32 / bfloat16 [M, K] rounded to bfloat16, float32 sums on ``vdpbf16ps``, the result rounded to
   bfloat16 (``bf16_out``) or those values as float32; written for 8-127 rows.
+- ``int8_gemm_available()``, ``pack_int8_gemm(values, scales, mins=None)``, ``int8_gemm(x, packed, negsum, scales,
+  mins, n)`` (``csrc/gemm_int8.cpp``, where the CPU has AVX512-VNNI): y = x @ w.T for w in int8 blocks of 32 (values
+  int8 [N, K], scales / mins float32 [N, K/32]; Q8_0 / Q4_1), x float32 [M, K] rounded to int8 blocks as for Q8_0,
+  each block's products summed exactly on ``vpdpbusd``; any M, a row's result independent of the others.
 - ``LinearOp(kind, tensors, bias=None, batch_invariant=False, out_features=0)``: one packed projection
   (``panels`` / ``int8`` (panels, scale), both with their ``out_features`` / ``q8_0`` / ``q4_1``) over the linear
   kernels above; ``set_gemm_weight`` / ``set_dot_weight`` give it torch's or ``bf16_gemm``'s GEMM for many rows
-  (``gemm.py``); the Python linear layers and the decoder stack both call it.
+  (``gemm.py``), ``set_int8_gemm`` a block format ``int8_gemm`` (``linear.QuantizedLinear``); the Python linear layers and the decoder stack both call it.
 - ``DecoderStack`` / ``StackLayer`` (``csrc/stack.cpp``): every decoder layer in one call, the kernels above in the
   order of ``model/llama.py``'s loop (see ``ops/stack.py``).
 - ``pack_block_panels_(out, fmt, packed)`` / ``block_panels_equal(panels, weight)``: GGUF Q8_0 / Q4_1 blocks into

@@ -17,7 +17,9 @@ Methods (``--quantization`` picks the weight format, the C++ kernels make it fas
 - ``q8_0`` / ``q4_1``: GGUF's block formats (32 weights per block: ``d·q`` / ``d·q + m``), executed without
   dequantising to a full-precision copy. As in llama.cpp, activations are rounded to int8 blocks of 32 first
   (``quant.quantize_activations``), so each block's dot product is integer arithmetic (``maddubs``) — on the
-  F.linear fallback too (``rounded_input``), so both paths see the same activations.
+  F.linear fallback too (``rounded_input``), so both paths see the same activations. Where the kernels have
+  AVX512-VNNI, 8 rows and more take the int8 GEMM (``QuantizedLinear.use_int8_gemm``, ``csrc/gemm_int8.cpp``) at
+  every row count instead: the same quantities, float32 sums in another order.
 
 Batch invariance: each kernel computes an output row with the same instructions in the same order whatever the
 other rows of the batch are; not so the quantized formats' F.linear fallback beyond ``MAX_KERNEL_ROWS`` (a GEMM,
@@ -49,6 +51,10 @@ BLOCK_FORMATS = ("q8_0", "q4_1")  # GGUF blocks of 32: executed with int8 activa
 # call for. float32 / bfloat16 / int8 weights have no limit: their column-panel kernel runs at the FMA rate at
 # every batch size.
 MAX_KERNEL_ROWS = {"q8_0": 128, "q4_1": 128}
+
+
+# Rows from which the block formats run on the int8 GEMM (``QuantizedLinear.use_int8_gemm``, a CPU with AVX512-VNNI).
+INT8_GEMM_MIN_ROWS = 8
 
 
 def kernel_row_limit(fmt: str, batch_invariant: bool) -> float:
@@ -228,6 +234,26 @@ class QuantizedLinear(DirectCallModule):
         if self.block_kernels is not None:
             self.op = kernels.LinearOp(fmt, list(self.packed), self.bias32, batch_invariant)
         self.max_rows = kernel_row_limit(fmt, batch_invariant) if self.op is not None else 0  # beyond: F.linear
+        self.int8_gemm: list[torch.Tensor] | None = None  # int8_gemm's tensors (``use_int8_gemm``)
+        if self.op is not None and kernels.int8_gemm_available() and not batch_invariant:
+            self.use_int8_gemm(INT8_GEMM_MIN_ROWS)
+
+    def use_int8_gemm(self, min_rows: int) -> None:
+        """From ``min_rows`` rows on, run the blocks on the AVX512-VNNI int8 GEMM (``csrc/gemm_int8.cpp``) instead of
+        the kernel, at every row count (no F.linear fallback): the blocks as int8 values with their scales (and
+        mins) by panel. The same quantities as the kernel (x rounded to int8 blocks, exact integer sums), summed in
+        float32 in another order."""
+        kernels = self.block_kernels
+        if self.fmt == "q8_0":
+            qs, d = self.packed  # [N, K] int8, [N, K/32] float16
+            tensors = kernels.pack_int8_gemm(qs, d.float())
+        else:
+            qs, d, m = self.packed  # [N, K/2] nibbles, [N, K/32] float16 each
+            values = quant.unpack_nibbles(qs).reshape(qs.shape[0], -1).to(torch.int8)  # [N, K], 0..15
+            tensors = kernels.pack_int8_gemm(values, d.float(), m.float())
+        self.int8_gemm = [arena().adopt(t) for t in tensors]
+        self.op.set_int8_gemm(self.int8_gemm, d.shape[0], min_rows)
+        self.max_rows = math.inf
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] the quantized one stands for."""

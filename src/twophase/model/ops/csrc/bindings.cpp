@@ -43,6 +43,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"));
   m.def("bf16_gemm", &tp::bf16_gemm, "y = x @ w.T on bfloat16 dot products (w packed by pack_bf16_gemm)",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bf16_out"), py::call_guard<py::gil_scoped_release>());
+  m.def("int8_gemm_available", &tp::int8_gemm_available, "whether int8_gemm was built (AVX512-VNNI)");
+  m.def("pack_int8_gemm", &tp::pack_int8_gemm,
+        "int8 block values [n, k] with scales [, mins] [n, k / 32] -> int8_gemm's (packed, negsum, scales[, mins])",
+        py::arg("values"), py::arg("scales"), py::arg("mins") = py::none());
+  m.def("int8_gemm", &tp::int8_gemm, "y = x @ w.T on int8 products (x rounded per block of 32, w in int8 blocks)",
+        py::arg("x"), py::arg("packed"), py::arg("negsum"), py::arg("scales"), py::arg("mins"), py::arg("n"),
+        py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &tp::rms_norm, "weight * rms_norm(x)", py::arg("x"), py::arg("weight"), py::arg("eps"));
   m.def("add_rms_norm_", &tp::add_rms_norm_, "in place: residual += x; x = weight * rms_norm(residual)",
         py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
@@ -66,7 +73,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("silu_gated", &tp::LinearOp::silu_gated, py::arg("x"), py::call_guard<py::gil_scoped_release>())
       .def("set_gemm_weight", &tp::LinearOp::set_gemm_weight, py::arg("weight"), py::arg("min_rows"),
            py::arg("packed") = py::none(), py::arg("packed_max_rows") = 0)
-      .def("set_dot_weight", &tp::LinearOp::set_dot_weight, py::arg("dot"), py::arg("max_rows"));
+      .def("set_dot_weight", &tp::LinearOp::set_dot_weight, py::arg("dot"), py::arg("max_rows"))
+      .def("set_int8_gemm", &tp::LinearOp::set_int8_gemm, py::arg("tensors"), py::arg("n"), py::arg("min_rows"));
   py::class_<tp::StackLayer>(m, "StackLayer", "one decoder layer's norms and projections")
       .def(py::init<at::Tensor, at::Tensor, tp::LinearOp, tp::LinearOp, tp::LinearOp, tp::LinearOp>(),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),

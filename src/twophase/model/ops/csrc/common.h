@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <utility>
 #include <cmath>
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -34,6 +35,18 @@ void dynamic_for(int64_t n, const MakeState& make_state, const Body& body) {
     auto state = make_state();
     for (int64_t i; (i = next.fetch_add(1)) < n;) body(i, state);
   });
+}
+
+// fn(std::integral_constant<int, rows>) for rows in [1, Max] (anything above Max as Max): a register tile's row count
+// as a template argument.
+template <int Max, class Fn, int... I>
+inline void with_rows_of(int64_t rows, Fn& fn, std::integer_sequence<int, I...>) {
+  (void)((rows == I + 1 && (fn(std::integral_constant<int, I + 1>{}), true)) || ... ||
+         (fn(std::integral_constant<int, Max>{}), true));
+}
+template <int Max, class Fn>
+inline void with_rows(int64_t rows, Fn&& fn) {
+  with_rows_of<Max>(rows, fn, std::make_integer_sequence<int, Max - 1>{});
 }
 
 // bf16 bits -> float (exact: bf16 is the top half of an fp32).

@@ -53,22 +53,7 @@ inline void dot_tile(const int32_t* xp, const uint16_t* wp, int64_t pairs, const
 
 // fn(std::integral_constant<int, rows>) for rows in [1, kDotMaxRows]: a tile's row count as a template argument.
 template <class Fn>
-inline void with_tile_rows(int64_t rows, Fn&& fn) {
-  switch (rows) {
-    case 1: return fn(std::integral_constant<int, 1>{});
-    case 2: return fn(std::integral_constant<int, 2>{});
-    case 3: return fn(std::integral_constant<int, 3>{});
-    case 4: return fn(std::integral_constant<int, 4>{});
-    case 5: return fn(std::integral_constant<int, 5>{});
-    case 6: return fn(std::integral_constant<int, 6>{});
-    case 7: return fn(std::integral_constant<int, 7>{});
-    case 8: return fn(std::integral_constant<int, 8>{});
-    case 9: return fn(std::integral_constant<int, 9>{});
-    case 10: return fn(std::integral_constant<int, 10>{});
-    case 11: return fn(std::integral_constant<int, 11>{});
-    default: return fn(std::integral_constant<int, 12>{});
-  }
-}
+inline void with_tile_rows(int64_t rows, Fn&& fn) { with_rows<kDotMaxRows>(rows, fn); }
 
 #endif
 

@@ -3,6 +3,7 @@
 #pragma once
 #include <ATen/ATen.h>
 #include <string>
+#include <tuple>
 #include <utility>
 #include <vector>
 
@@ -55,6 +56,15 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
 bool bf16_gemm_available();
 at::Tensor pack_bf16_gemm(const at::Tensor& weight);
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool bf16_out);
+// GGUF-style int8 blocks on AVX512-VNNI (gemm_int8.cpp): whether this build has it; values int8 [N, K] (K a
+// multiple of 32) with scales [and mins] float32 [N, K / 32] (w = scale q [+ min] a block) -> the kernel's tensors
+// (packed values, -128 x block sums, scales[, mins] by panel); y = x @ W.T as float32 [M, n], x float32 [M, K]
+// rounded to int8 per block of 32 (quant.py: quantize_activations).
+bool int8_gemm_available();
+std::vector<at::Tensor> pack_int8_gemm(const at::Tensor& values, const at::Tensor& scales,
+                                       const c10::optional<at::Tensor>& mins);
+at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& negsum,
+                     const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t n);
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);

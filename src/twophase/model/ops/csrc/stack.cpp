@@ -38,6 +38,16 @@ void LinearOp::set_gemm_weight(at::Tensor weight, int64_t min_rows, c10::optiona
   gemm_packed_max_rows_ = packed_max_rows;
 }
 
+void LinearOp::set_int8_gemm(std::vector<at::Tensor> tensors, int64_t n, int64_t min_rows) {
+  TORCH_CHECK(kind_ == Kind::Q8_0 || kind_ == Kind::Q4_1, "LinearOp: int8_gemm runs q8_0 / q4_1 blocks");
+  TORCH_CHECK(tensors.size() == (kind_ == Kind::Q4_1 ? 4u : 3u), "LinearOp: pack_int8_gemm's tensors expected");
+  // a row computed by the kernel below min_rows and by int8_gemm from there would depend on the batch's size
+  TORCH_CHECK(!batch_invariant_ || min_rows <= 1, "LinearOp: batch_invariant takes int8_gemm at every row count");
+  int8_ = std::move(tensors);
+  int8_n_ = n;
+  gemm_min_rows_ = std::max<int64_t>(1, min_rows);
+}
+
 void LinearOp::set_dot_weight(at::Tensor dot, int64_t max_rows) {
   TORCH_CHECK(gemm_weight_.defined() && gemm_weight_.scalar_type() == at::kBFloat16,
               "LinearOp: set a bfloat16 GEMM weight before its dot-product copy");
@@ -69,14 +79,17 @@ at::Tensor LinearOp::gemm_unwidened(const at::Tensor& x) const {
 }
 
 bool LinearOp::gives_bfloat16(int64_t rows) const {
-  return takes_gemm(rows) && gemm_weight_.scalar_type() == at::kBFloat16 &&
+  return takes_gemm(rows) && gemm_weight_.defined() && gemm_weight_.scalar_type() == at::kBFloat16 &&
          !(bias_.has_value() && bias_->defined());
 }
 
 at::Tensor LinearOp::gemm(const at::Tensor& x) const {
   // the bfloat16 result widened: by the dot-product kernel as it stores it, else a pass of its own
-  at::Tensor y = takes_dot(x.size(0)) ? tp::bf16_gemm(x, dot_, gemm_weight_.size(0), /*bf16_out=*/false)
-                                      : gemm_unwidened(x).to(at::kFloat);
+  at::Tensor y = !int8_.empty()         ? tp::int8_gemm(x, int8_[0], int8_[1], int8_[2],
+                                                         int8_.size() > 3 ? c10::optional<at::Tensor>(int8_[3])
+                                                                          : c10::nullopt, int8_n_)
+                 : takes_dot(x.size(0)) ? tp::bf16_gemm(x, dot_, gemm_weight_.size(0), /*bf16_out=*/false)
+                                        : gemm_unwidened(x).to(at::kFloat);
   if (bias_.has_value() && bias_->defined()) y.add_(*bias_);
   return y;
 }
@@ -94,7 +107,9 @@ at::Tensor LinearOp::kernel(const at::Tensor& x, bool gated) const {
   TORCH_CHECK(false, "LinearOp: bad kind");
 }
 
-bool LinearOp::takes_gemm(int64_t rows) const { return gemm_weight_.defined() && rows >= gemm_min_rows_; }
+bool LinearOp::takes_gemm(int64_t rows) const {
+  return (gemm_weight_.defined() || !int8_.empty()) && rows >= gemm_min_rows_;
+}
 
 at::Tensor LinearOp::operator()(const at::Tensor& x) const {
   return takes_gemm(x.size(0)) ? gemm(x) : kernel(x, false);
