@@ -219,8 +219,8 @@ def test_quantized_kernels_match_their_dequantised_weights(tiny_qwen2_dir, quant
 def test_decoder_stack_is_bit_identical_to_the_python_layer_loop(fixture, quantization, request, kernels):
     """The C++ decoder stack calls the Python loop's kernels in its order: logits and greedy decode equal exactly
     (qwen2 brings the QKV bias), and the loop still runs where the stack does not apply (more rows than it takes).
-    Where the block formats take the int8 GEMM from 8 rows on (AVX512-VNNI), a prefill step's last layer in the
-    stack runs its sampled rows alone, below 8, on the kernel (the same quantities, float32 sums in another order):
+    Where the block formats take the int8 GEMM from 3 rows on (AVX512-VNNI), a prefill step's last layer in the
+    stack runs its sampled rows alone, below 3, on the kernel (the same quantities, float32 sums in another order):
     there the tokens are equal and the logprobs within float32 rounding."""
     path = request.getfixturevalue(fixture)
     stacked = make_llm(path, dtype="float32", quantization=quantization)
@@ -353,7 +353,7 @@ def test_decoder_stack_stands_aside_where_an_op_has_no_kernel(tiny_llama_dir, ke
 @pytest.mark.parametrize("int8_gemm", [False, True])
 def test_decoder_stack_takes_as_many_rows_as_every_projection_kernel(tiny_llama_dir, kernels, monkeypatch, int8_gemm):
     """The stack's row limit is the least of its projections' kernel limits: float32 panels take every batch, the
-    block formats keep their kernels to 128 rows (every batch where the int8 GEMM takes over from 8 rows),
+    block formats keep their kernels to 128 rows (every batch where the int8 GEMM takes over from 3 rows),
     --deterministic keeps every batch."""
     if int8_gemm and not kernels.int8_gemm_available():
         pytest.skip("the kernels were built without AVX512-VNNI")

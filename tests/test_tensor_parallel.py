@@ -135,7 +135,7 @@ def test_qwen2_biases_split_with_their_rows(tiny_qwen2_dir):
 
 @pytest.mark.parametrize("quantization", ["none", "q8_0"])
 def test_fast_paths_float32_tokens_equal_tp1(tiny_llama_dir, quantization):
-    """C++ linear and attention kernels in float32, and Q8_0 shards packed like the full weights. Q8_0 from 8 rows
+    """C++ linear and attention kernels in float32, and Q8_0 shards packed like the full weights. Q8_0 from 3 rows
     on the int8 GEMM (AVX512-VNNI): each rank's row-parallel half sums its blocks in one float32 chain, then the
     all-reduce adds the halves, another order than one chain over all blocks, so the logits agree within float32
     rounding and the greedy tokens of this random model may part at a near tie; without it, tokens are equal."""
