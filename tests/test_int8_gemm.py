@@ -112,4 +112,4 @@ def test_block_formats_take_the_int8_gemm_from_its_threshold(kernels, fmt):
     invariant = QuantizedLinear(weight, bias, fmt, kernels, batch_invariant=True)
     assert invariant.int8_gemm is None
     with pytest.raises(RuntimeError, match="batch_invariant"):
-        invariant.op.set_int8_gemm(layer.int8_gemm, 100, INT8_GEMM_MIN_ROWS)
+        invariant.op.set_int8_gemm(layer.int8_gemm, INT8_GEMM_MIN_ROWS)

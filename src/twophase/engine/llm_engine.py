@@ -20,6 +20,7 @@ from twophase.engine.output_processor import OutputProcessor
 from twophase.engine.scheduler import Scheduler
 from twophase.kv_cache.block_manager import BlockManager
 from twophase.loader import open_model_source
+from twophase.model.ops.linear import BLOCK_FORMATS, BLOCK_QUANTIZATIONS
 from twophase.outputs import EngineStats, RequestOutput, StepRecord
 from twophase.request import Request, RequestStatus
 from twophase.sampling_params import InvalidRequestError, SamplingParams
@@ -29,7 +30,6 @@ from twophase.structured import StructuredOutputSpec
 from twophase.tokenizer import load_tokenizer
 
 MAX_STEP_RECORDS = 100_000
-NATIVE_QUANTIZATIONS = ("gguf", "q8_0", "q4_1")  # formats a GGUF file may store: its weights are used as stored
 log = logging.getLogger(__name__)
 
 
@@ -56,7 +56,7 @@ def engine_dtype(config: EngineConfig, source) -> torch.dtype:
     (q8_0, q4_1), whose kernels round float32 activations to int8 blocks (bfloat16 ones would be rounded twice, and
     keep the decoder stack out)."""
     stored = config.quantization in ("none", "gguf") and source.stores_native_blocks()
-    in_blocks = stored or config.quantization in ("q8_0", "q4_1")
+    in_blocks = stored or config.quantization in BLOCK_FORMATS
     return resolve_dtype(config.dtype, torch.device(config.device), in_blocks)
 
 
@@ -80,7 +80,7 @@ def build_model_runner(config: EngineConfig, source, tp=None, progress: bool = T
 def wants_native_weights(config: EngineConfig, source) -> bool:
     """Whether the runner gets a GGUF file's weights as stored: for a block format asked for, and without quantization
     on CPU, where float32 weights stored as Q8_0 / Q4_1 run from their blocks, bit for bit (``BlockPanelLinear``)."""
-    if config.quantization in NATIVE_QUANTIZATIONS:
+    if config.quantization in BLOCK_QUANTIZATIONS:  # formats a GGUF file may store: its weights used as stored
         return True
     device = torch.device(config.device)
     return config.quantization == "none" and device.type == "cpu" and engine_dtype(config, source) == torch.float32

@@ -20,6 +20,7 @@ from twophase.engine import hardware
 from twophase.engine.input_batch import InputBatch, build_input_batch
 from twophase.model.attention import make_attention_backend
 from twophase.model.ops.huge_pages import Prefaulter, arena
+from twophase.model.ops.linear import BLOCK_QUANTIZATIONS
 from twophase.model.registry import build_model
 from twophase.outputs import ModelRunnerOutput, NewRequestData, SchedulerOutput
 from twophase.sample import Sampler, SamplingState
@@ -27,14 +28,16 @@ from twophase.sample import Sampler, SamplingState
 log = logging.getLogger(__name__)
 
 
-# Weight formats whose kernels round each activation row to int8 blocks (llama.cpp's Q8 activations).
-ROUNDING_QUANTIZATIONS = ("q8_0", "q4_1", "gguf")
-
-
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V for one block across all layers."""
     per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
     return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+
+
+def rounds_products(gemm_dtype: torch.dtype | None, quantization: str) -> bool:
+    """Whether the projections give up float32's exactness already: GEMMs in bfloat16, or GGUF block formats (their
+    kernels round every activation row to int8 blocks, llama.cpp's Q8 activations)."""
+    return gemm_dtype == torch.bfloat16 or quantization in BLOCK_QUANTIZATIONS
 
 
 def resolve_cache_dtype(name: str, model_dtype: torch.dtype, gemm_dtype: torch.dtype | None = None,
@@ -44,8 +47,7 @@ def resolve_cache_dtype(name: str, model_dtype: torch.dtype, gemm_dtype: torch.d
     offline run made 421-424 output tok/s with it against 372-375), or GGUF block formats (``quantization``: their
     kernels round every activation row to int8 blocks). bfloat16 under a float32 model stores half the bytes (K and V
     rounded to nearest even when written, read back as float32 by attention)."""
-    lossy = gemm_dtype == torch.bfloat16 or quantization in ROUNDING_QUANTIZATIONS
-    auto = torch.bfloat16 if lossy and model_dtype == torch.float32 else model_dtype
+    auto = torch.bfloat16 if rounds_products(gemm_dtype, quantization) and model_dtype == torch.float32 else model_dtype
     dtypes = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16}
     if name not in dtypes:
         raise ValueError(f"unknown KV cache dtype {name!r}; choose auto, float32 or bfloat16")
@@ -152,8 +154,7 @@ class ModelRunner:
         float32 products against 5.9-6.5 through SDPA; 8 x 256 tokens 9.1-11.6 against 12.2-15.2 (on 2 AMX Xeon
         cores SDPA took 1.8-2.5x less than the kernel from 64 queries on). The dot products took 1.9 / 4.5 ms there
         (``attention.DOT_MIN_QUERIES``)."""
-        lossy = self.gemm_dtype == torch.bfloat16 or self.quantization in ROUNDING_QUANTIZATIONS
-        if not (lossy and self.cache_dtype == torch.bfloat16):
+        if not (rounds_products(self.gemm_dtype, self.quantization) and self.cache_dtype == torch.bfloat16):
             return "float32"
         if hardware.cpu_has_amx():
             return "sdpa"
@@ -173,7 +174,6 @@ class ModelRunner:
         quantization = options.quantization
         if options.deterministic:
             self._check_batch_invariant(kernels)
-        self.quantization = quantization
         self.linear_kernels = kernels is not None
         self.model.pack(quantization, kernels, native_weights, batch_invariant=options.deterministic)
         if self.gemm_dtype is not None:

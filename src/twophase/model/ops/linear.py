@@ -45,6 +45,8 @@ from twophase.model.ops.huge_pages import arena
 
 QUANTIZATIONS = ("none", "int8", "q8_0", "q4_1", "gguf")  # gguf: each weight in the block format it is stored in
 BLOCK_FORMATS = ("q8_0", "q4_1")  # GGUF blocks of 32: executed with int8 activation blocks
+# --quantization values whose layers run GGUF blocks (gguf: those a GGUF file stores), rounding activations to int8
+BLOCK_QUANTIZATIONS = (*BLOCK_FORMATS, "gguf")
 # Beyond this many rows F.linear on the dequantised weight takes over from the block formats' kernels (which stream
 # each weight row per row tile); measured over SmolLM2-135M's 120 layer matrices on a 2-core Zen 3
 # (benchmarks/bench_kernels.py), both kernels still winning at 128 rows, which F.linear pays a dequantisation per
@@ -256,7 +258,7 @@ class QuantizedLinear(DirectCallModule):
             values = quant.unpack_nibbles(qs).reshape(qs.shape[0], -1).to(torch.int8)  # [N, K], 0..15
             tensors = kernels.pack_int8_gemm(values, d.float(), m.float())
         self.int8_gemm = [arena().adopt(t) for t in tensors]
-        self.op.set_int8_gemm(self.int8_gemm, d.shape[0], min_rows)
+        self.op.set_int8_gemm(self.int8_gemm, min_rows)
         self.max_rows = math.inf
 
     def dequantized(self) -> torch.Tensor:

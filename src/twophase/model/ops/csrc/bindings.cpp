@@ -74,7 +74,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("set_gemm_weight", &tp::LinearOp::set_gemm_weight, py::arg("weight"), py::arg("min_rows"),
            py::arg("packed") = py::none(), py::arg("packed_max_rows") = 0)
       .def("set_dot_weight", &tp::LinearOp::set_dot_weight, py::arg("dot"), py::arg("max_rows"))
-      .def("set_int8_gemm", &tp::LinearOp::set_int8_gemm, py::arg("tensors"), py::arg("n"), py::arg("min_rows"));
+      .def("set_int8_gemm", &tp::LinearOp::set_int8_gemm, py::arg("tensors"), py::arg("min_rows"));
   py::class_<tp::StackLayer>(m, "StackLayer", "one decoder layer's norms and projections")
       .def(py::init<at::Tensor, at::Tensor, tp::LinearOp, tp::LinearOp, tp::LinearOp, tp::LinearOp>(),
            py::arg("input_norm"), py::arg("post_norm"), py::arg("qkv"), py::arg("o"), py::arg("gate_up"),

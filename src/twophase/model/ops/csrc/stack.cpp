@@ -38,13 +38,12 @@ void LinearOp::set_gemm_weight(at::Tensor weight, int64_t min_rows, c10::optiona
   gemm_packed_max_rows_ = packed_max_rows;
 }
 
-void LinearOp::set_int8_gemm(std::vector<at::Tensor> tensors, int64_t n, int64_t min_rows) {
+void LinearOp::set_int8_gemm(std::vector<at::Tensor> tensors, int64_t min_rows) {
   TORCH_CHECK(kind_ == Kind::Q8_0 || kind_ == Kind::Q4_1, "LinearOp: int8_gemm runs q8_0 / q4_1 blocks");
   TORCH_CHECK(tensors.size() == (kind_ == Kind::Q4_1 ? 4u : 3u), "LinearOp: pack_int8_gemm's tensors expected");
   // a row computed by the kernel below min_rows and by int8_gemm from there would depend on the batch's size
   TORCH_CHECK(!batch_invariant_ || min_rows <= 1, "LinearOp: batch_invariant takes int8_gemm at every row count");
   int8_ = std::move(tensors);
-  int8_n_ = n;
   gemm_min_rows_ = std::max<int64_t>(1, min_rows);
 }
 
@@ -87,7 +86,8 @@ at::Tensor LinearOp::gemm(const at::Tensor& x) const {
   // the bfloat16 result widened: by the dot-product kernel as it stores it, else a pass of its own
   at::Tensor y = !int8_.empty()         ? tp::int8_gemm(x, int8_[0], int8_[1], int8_[2],
                                                          int8_.size() > 3 ? c10::optional<at::Tensor>(int8_[3])
-                                                                          : c10::nullopt, int8_n_)
+                                                                          : c10::nullopt,
+                                                         t_[0].size(0))  // the blocks' rows: N
                  : takes_dot(x.size(0)) ? tp::bf16_gemm(x, dot_, gemm_weight_.size(0), /*bf16_out=*/false)
                                         : gemm_unwidened(x).to(at::kFloat);
   if (bias_.has_value() && bias_->defined()) y.add_(*bias_);

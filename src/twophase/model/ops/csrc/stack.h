@@ -29,9 +29,9 @@ class LinearOp {
   // bfloat16-rounded GEMM result, summed in another order; set_gemm_weight first.
   void set_dot_weight(at::Tensor dot, int64_t max_rows);
   // From min_rows rows on, a block-format projection (q8_0, q4_1) runs int8_gemm on `tensors` (pack_int8_gemm of its
-  // blocks: packed values, negsum, scales[, mins]) instead of its kernel, n outputs: the same quantities (x rounded
-  // to int8 blocks, the blocks' products summed exactly) at AVX512-VNNI's rate; float32 sums in another order.
-  void set_int8_gemm(std::vector<at::Tensor> tensors, int64_t n, int64_t min_rows);
+  // blocks: packed values, negsum, scales[, mins]) instead of its kernel: the same quantities (x rounded to int8
+  // blocks, the blocks' products summed exactly) at AVX512-VNNI's rate; float32 sums in another order.
+  void set_int8_gemm(std::vector<at::Tensor> tensors, int64_t min_rows);
   // Whether `rows` rows take the GEMM on the weight copy, with a bfloat16 result before widening (no bias to add).
   bool gives_bfloat16(int64_t rows) const;
   // The GEMM's own result [M, N] in the copy's dtype (x in any float dtype): operator()'s values before widening.
@@ -53,7 +53,6 @@ class LinearOp {
   int64_t gemm_packed_max_rows_ = 0;
   at::Tensor dot_;  // undefined: torch's GEMM at every row count from gemm_min_rows_
   std::vector<at::Tensor> int8_;  // not empty: the GEMM is int8_gemm on these (set_int8_gemm)
-  int64_t int8_n_ = 0;
   int64_t dot_max_rows_ = 0;
   bool takes_dot(int64_t rows) const { return dot_.defined() && rows < dot_max_rows_; }
 };
