@@ -69,9 +69,10 @@ needs_bf16_dot = pytest.mark.skipif(not K.bf16_gemm_available(), reason="the ker
 
 
 @needs_bf16_dot
-# N tails below / above 16 of 32; k pairs packed 16 at a time by transposes, with a tail (68: 32 + 2) or none
+# N tails below / above 16 of 32; k of 1 pair to 768 (rows read in place, k pairs apart); 600 x 576: x rounded to
+# bfloat16 over the threads (from 256K values)
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (67, 1536), (5, 2), (33, 18), (40, 68)])
-@pytest.mark.parametrize("m", [1, 8, 13, 32, 127])
+@pytest.mark.parametrize("m", [1, 8, 13, 32, 127, 600])
 def test_bf16_gemm_against_float64(m: int, n: int, k: int) -> None:
     """bf16_gemm: bfloat16 products (exact in float32), float32 sums, the result rounded once to bfloat16. Against the
     float64 product of the same bfloat16 inputs: within half a bfloat16 step of the result (up to 2**-8 relative) plus the
@@ -94,11 +95,11 @@ def test_bf16_gemm_against_float64(m: int, n: int, k: int) -> None:
 @needs_bf16_dot
 def test_bf16_gemm_rows_do_not_depend_on_the_batch() -> None:
     """Each output is one dot-product chain over k in order, whatever tile its row falls in: every row of an M-row
-    call equals that row alone, bit for bit (M = 2 .. 127 spreads rows over tiles of 1-12)."""
+    call equals that row alone, bit for bit (M = 2 .. 2,048 spreads rows over tiles of 1-12)."""
     g = torch.Generator().manual_seed(11)
     w = torch.randn(100, 576, generator=g).bfloat16()
     packed = K.pack_bf16_gemm(w)
-    for m in (2, 7, 12, 13, 32, 127):
+    for m in (2, 7, 12, 13, 32, 127, 2048):
         x = torch.randn(m, 576, generator=g)
         together = K.bf16_gemm(x, packed, 100, False)
         alone = torch.cat([K.bf16_gemm(x[i : i + 1], packed, 100, False) for i in range(m)])

@@ -29,13 +29,12 @@ DOT_MIN_ROWS = 5
 # 96 / 126 / 223 us against 156 / 189 / 273, the same bits; at 544 rows 1,070 against 1,143 us, but 576 x 1536
 # 820 against 668 us (and other bits), so prefill chunks keep at::linear.
 PREPACKED_MAX_ROWS = 128
-# A weight with at least this many outputs per input ([out, in]) keeps the dot-product GEMM at every row count
-# (``use_dot_weight``): SmolLM2's gate/up (3072 x 576) at 2048 rows took 16.5-17.5 ms there against oneDNN's
-# 17.4-19.3 (three runs, 2 Zen 4 cores), where its other shapes took longer on the dot products than on oneDNN
-# (qkv 960 x 576: 5.5-6.7 against 5.3-6.1 ms; o 576 x 576: 3.4-4.4 against 3.2-3.6; down 576 x 1536: 10.4-13.4
-# against 8.4-8.8). A 2,048-token prefill step: ~30 ms (2%) less.
-DOT_EVERY_ROW_MIN_RATIO = 4
-ANY_ROWS = 1 << 62
+# The dot-product GEMM (``use_dot_weight``) runs every row count from its threshold on, prefill chunks included. It
+# used to leave 128 rows and more to oneDNN except on weights with 4x as many outputs as inputs (gate/up), where it
+# was faster: with x's rows read in place instead of packed, SmolLM2's shapes at 2,048 rows on 2 Zen 4 cores took
+# qkv 5.8-6.1 / o 3.4-3.7 / gate/up 18.1-18.7 / down 8.5-9.1 ms on the dot products against oneDNN's 5.9-6.9 /
+# 3.7-3.7 / 19.2-19.5 / 9.0-9.2 (with the conversions to and from bfloat16 it needs), and 2,048-token prefill steps,
+# two engines alternating in one process, 1,198.6 against 1,238.4 ms (medians of 24) and 1,159.0 against 1,187.4.
 
 
 def prepack_for_onednn(weight: torch.Tensor, rows: int = 32) -> torch.Tensor | None:
@@ -51,10 +50,10 @@ def use_gemm_weights(model: nn.Module, dtype: torch.dtype, min_rows: int | None 
                      dot_products: bool = False) -> int:
     """Give every panel-kernel projection of ``model`` a ``dtype`` copy of its weight [out, in] that torch's GEMM
     runs from ``min_rows`` rows on (``LinearOp.set_gemm_weight``: prefill chunks and wide decode steps, on AMX /
-    AVX512-BF16 many times the float32 kernels' rate; rows rounded to ``dtype``, results float32). Below
-    ``PREPACKED_MAX_ROWS`` rows: with ``dot_products`` (a CPU with AVX512-BF16 and no AMX, where oneDNN's small-M
-    GEMM leaves much of the dot-product rate unused) on our AVX512-BF16 kernel (``use_dot_weight``), else on
-    oneDNN's reordered copy. Fewer rows keep the panels (batch-1 decode reads the blocks); ``min_rows`` defaults to
+    AVX512-BF16 many times the float32 kernels' rate; rows rounded to ``dtype``, results float32). With
+    ``dot_products`` (a CPU with AVX512-BF16 and no AMX, where oneDNN's small-M GEMM leaves much of the dot-product
+    rate unused) on our AVX512-BF16 kernel at every row count (``use_dot_weight``), else below
+    ``PREPACKED_MAX_ROWS`` rows on oneDNN's reordered copy and from there on the weight. Fewer rows keep the panels (batch-1 decode reads the blocks); ``min_rows`` defaults to
     ``DOT_MIN_ROWS`` where the dot products run, else ``GEMM_MIN_ROWS``. Returns how many projections took one."""
     dot_min_rows = DOT_MIN_ROWS if min_rows is None else min_rows
     gemm_min_rows = GEMM_MIN_ROWS if min_rows is None else min_rows
@@ -72,10 +71,9 @@ def use_gemm_weights(model: nn.Module, dtype: torch.dtype, min_rows: int | None 
 
 
 def use_dot_weight(op, weight: torch.Tensor, min_rows: int) -> bool:
-    """``op`` takes ``weight`` (bfloat16 [out, in]) from ``min_rows`` rows on, below ``PREPACKED_MAX_ROWS`` rows on
-    the kernels' AVX512-BF16 dot-product GEMM (``bf16_gemm``: one panel of 32 outputs at a time, k in pairs) and
-    from there on torch's (at every row count on the dot products where the weight has ``DOT_EVERY_ROW_MIN_RATIO``
-    times as many outputs as inputs); False (nothing set) where the kernels lack it or the shape does not suit it. On 2 Zen 4
+    """``op`` takes ``weight`` (bfloat16 [out, in]) from ``min_rows`` rows on, at every row count from there, on the
+    kernels' AVX512-BF16 dot-product GEMM (``bf16_gemm``: one panel of 32 outputs at a time, k in pairs); False
+    (nothing set) where the kernels lack it or the shape does not suit it. On 2 Zen 4
     cores, SmolLM2's four layer shapes at 32 rows took 1.19-1.40x less time than oneDNN's reordered copy, at 8-16
     rows 1.5-2.5x less (``docs/runs/compare-cpu/README.md``, session 24). Tried and dropped for GGUF block weights:
     widening each Q4_1 panel to bfloat16 in the thread's scratch instead of reading this 2-byte copy, 3.2x fewer bytes
@@ -86,8 +84,7 @@ def use_dot_weight(op, weight: torch.Tensor, min_rows: int) -> bool:
     if kernels is None or not kernels.bf16_gemm_available() or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
         return False
     op.set_gemm_weight(weight, min_rows, None, 0)
-    wide = weight.shape[0] >= DOT_EVERY_ROW_MIN_RATIO * weight.shape[1]
-    op.set_dot_weight(kernels.pack_bf16_gemm(weight), ANY_ROWS if wide else PREPACKED_MAX_ROWS)  # [panels, in / 2, 32, 2]
+    op.set_dot_weight(kernels.pack_bf16_gemm(weight))  # [panels, in / 2, 32, 2]
     return True
 
 

@@ -230,6 +230,10 @@ inline __m256i bf16x16_of(__m512 f) {
 
 inline void convert(uint16_t* dst, const float* src, int64_t n) {
   int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), bf16x16_of(_mm512_loadu_ps(src + i)));
+#endif
 #ifdef __AVX2__
   for (; i + 8 <= n; i += 8)
     _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bf16x8_of(_mm256_loadu_ps(src + i)));

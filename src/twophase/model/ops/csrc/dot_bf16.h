@@ -1,5 +1,5 @@
 // The register tile of our bfloat16 dot-product kernels (AVX512-BF16 vdpbf16ps, 32 products an instruction): the
-// GEMM for 5-127 rows (gemm_bf16.cpp) and prefill attention's two products (attention.cpp).
+// GEMM from 5 rows on (gemm_bf16.cpp) and prefill attention's two products (attention.cpp).
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -17,20 +17,25 @@ constexpr int kDotMaxRows = 12;   // 12 x 2 accumulators + 2 panel vectors + a b
 
 // One MR x 32 tile: c[r][j] = init[r][j] + sum over k pairs p of x[r][2p] w[j][2p] + x[r][2p+1] w[j][2p+1], the
 // pairs in order, one dot-product chain per output (a row's sums never depend on the other rows). xp: the rows' k
-// pairs pair-major ([pairs][MR] int32, each two bfloat16), or with XLD > 0 row-major (row r's pairs from xp + r * XLD,
-// as a row of bfloat16 values lies); wp: a panel ([pairs][32][2] bfloat16); init: MR rows of
+// pairs (int32, each two bfloat16, as a row of bfloat16 values lies), row r's from xp + r * XLD, or with XLD ==
+// kRowMajor from xp + r * x_ld; wp: a panel ([pairs][32][2] bfloat16); init: MR rows of
 // 32 float32 init_ld apart, or null for zeros. store(r, c0, c1) receives row r's columns 0-15 and 16-31.
 // prefetch_pairs > 0: the panel's lines that many pairs ahead are prefetched into L1 as the tile goes (past the
 // panel: the memory after it, the next panel in a packed weight). l2_lines: one 64-byte line from there a pair is
 // prefetched into L2 (memory another tile will read).
-template <int MR, int XLD = 0, class Store>
+constexpr int kRowMajor = -1;  // dot_tile's XLD for rows x_ld pairs apart, a stride known at run time
+
+template <int MR, int XLD, class Store>
 inline void dot_tile(const int32_t* xp, const uint16_t* wp, int64_t pairs, const float* init, int64_t init_ld,
-                     Store&& store, int64_t prefetch_pairs = 0, const char* l2_lines = nullptr) {
+                     Store&& store, int64_t prefetch_pairs = 0, const char* l2_lines = nullptr, int64_t x_ld = 0) {
   __m512 c0[MR], c1[MR];
+  static_assert(XLD > 0 || XLD == kRowMajor, "dot_tile: a row stride");
+  const int32_t* xrow[MR];
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) {
     c0[r] = init ? _mm512_loadu_ps(init + r * init_ld) : _mm512_setzero_ps();
     c1[r] = init ? _mm512_loadu_ps(init + r * init_ld + 16) : _mm512_setzero_ps();
+    xrow[r] = xp + r * (XLD > 0 ? XLD : x_ld);
   }
   for (int64_t p = 0; p < pairs; ++p) {
     if (prefetch_pairs) {
@@ -42,7 +47,7 @@ inline void dot_tile(const int32_t* xp, const uint16_t* wp, int64_t pairs, const
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(wp + p * 2 * kDotCols + kDotCols);
 #pragma GCC unroll 12
     for (int r = 0; r < MR; ++r) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(XLD > 0 ? xp[r * XLD + p] : xp[p * MR + r]);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(xrow[r][p]);
       c0[r] = _mm512_dpbf16_ps(c0[r], a, w0);
       c1[r] = _mm512_dpbf16_ps(c1[r], a, w1);
     }
@@ -81,8 +86,8 @@ inline void transpose16x16_epi32(__m512i r[16]) {
 }
 
 // Pairs p0 .. p0 + 15 of rows[0 .. n) (bfloat16 values, a pair an int32; rows from n on count as zeros) transposed:
-// dst + q * ld gets pair p0 + q of every row, row r in lane r, in the lanes keep selects. Packs bf16_gemm's input
-// rows pair-major (pack_pairs) and a key chunk's K as a panel (attend_dot).
+// dst + q * ld gets pair p0 + q of every row, row r in lane r, in the lanes keep selects. Packs a key chunk's K as a
+// panel (attend_dot).
 __attribute__((always_inline)) inline void transpose_pairs16(const uint16_t* const* rows, int64_t n, int64_t p0, int32_t* dst, int64_t ld,
                               __mmask16 keep) {
   __m512i t[16];
@@ -94,33 +99,5 @@ __attribute__((always_inline)) inline void transpose_pairs16(const uint16_t* con
   }
 }
 #endif
-
-constexpr int64_t kPackMaxRows = 16;  // rows pack_pairs takes at a time
-static_assert(kDotMaxRows <= kPackMaxRows, "bf16_gemm packs a row block at a time");
-
-// Rows [r0, r0 + rows) of src (float32 or bfloat16, ld elements apart, k values each, k even; rows <= kPackMaxRows)
-// as bfloat16 k pairs, pair-major: dst[p * rows + r] holds row r0 + r's values 2p and 2p + 1 (float32 rounded to
-// nearest even, as torch). scratch: rows x k bfloat16 values (float32 sources). On AVX-512, 16 pairs of every row at
-// a time through a 16 x 16 transpose: a 32-row decode step's inputs (the calling thread's serial part of each GEMM)
-// took a scalar store a pair before.
-template <class T>
-inline void pack_pairs(const T* src, int64_t ld, int64_t r0, int64_t rows, int64_t k, int32_t* dst, uint16_t* scratch) {
-  const uint16_t* s[kPackMaxRows];
-  for (int64_t r = 0; r < rows; ++r) {
-    if constexpr (std::is_same_v<T, float>) {
-      convert(scratch + r * k, src + (r0 + r) * ld, k);
-      s[r] = scratch + r * k;
-    } else {
-      s[r] = src + (r0 + r) * ld;
-    }
-  }
-  int64_t p = 0;
-#if defined(__AVX512F__)
-  const __mmask16 keep = static_cast<__mmask16>((1u << rows) - 1);
-  for (; p + 16 <= k / 2; p += 16) transpose_pairs16(s, rows, p, dst + p * rows, rows, keep);
-#endif
-  for (; p < k / 2; ++p)
-    for (int64_t r = 0; r < rows; ++r) std::memcpy(dst + p * rows + r, s[r] + 2 * p, 4);
-}
 
 }  // namespace tp

@@ -1,10 +1,10 @@
 // y[M, N] = x[M, K] @ W[N, K]^T in bfloat16 products with float32 sums, on AVX512-BF16's dot-product instruction
 // (vdpbf16ps: 32 products a cycle a core). Written for the rows of a batched decode step (5-127), where oneDNN's
 // GEMM on its reordered weight used 47-72% of that rate on SmolLM2's shapes (2 Zen 4 cores: 218-331 of the 460
-// GFLOP/s measured, 32 rows) and this kernel 65-87%. Larger M (prefill) stays with oneDNN, which blocks for the
-// caches (this kernel has no cache blocking: 0.67-1.01x oneDNN's time at 2,048 rows). Tried without a gain on
-// cold weights (the engine's case: 30 layers of weights, 25-28 ms a 32-row step either way): software prefetch of the
-// next panel, and K in chunks of 32-128 pairs run through every row block while in L1.
+// GFLOP/s measured, 32 rows) and this kernel 65-87%; since x's rows are read in place (below) it also runs prefill
+// chunks at oneDNN's rate or better (2,048 rows: 373-401 GFLOP/s against oneDNN's 329-395 with its conversions).
+// Tried without a gain on cold weights (the engine's case: 30 layers of weights, 25-28 ms a 32-row step either way):
+// software prefetch of the next panel, and K in chunks of 32-128 pairs run through every row block while in L1.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -53,6 +53,19 @@ at::Tensor pack_bf16_gemm(const at::Tensor& weight) {
   return out;
 }
 
+namespace {
+// float32 rows [M, K] rounded to bfloat16 (as torch rounds them), over the threads from 256K values on
+at::Tensor rows_as_bf16(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor out = at::empty({M, K}, x.options().dtype(at::kBFloat16));
+  const float* src = x.data_ptr<float>();
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const int64_t grain = M * K >= (int64_t{1} << 18) ? std::max<int64_t>(1, (int64_t{1} << 14) / K) : M;
+  at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) { convert(dst + r0 * K, src + r0 * K, (r1 - r0) * K); });
+  return out;
+}
+}  // namespace
+
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool bf16_out) {
   TORCH_CHECK(bf16_gemm_available(), "bf16_gemm: built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
@@ -70,21 +83,13 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, b
   const int64_t blocks = (M + kDotMaxRows - 1) / kDotMaxRows;  // rows spread evenly: 32 rows as 10 + 11 + 11
   std::vector<int64_t> starts(blocks + 1);
   for (int64_t b = 0; b <= blocks; ++b) starts[b] = b * M / blocks;
-  // x's rows as bfloat16 k pairs, block by block: block b's at xp[starts[b] * pairs], pair-major
-  // (over the threads from 256K values on: 2,048 x 576 took 0.7 ms on one Zen 4 core; a decode step's rows stay on
-  // the calling thread, as a parallel region costs more than they do)
-  std::vector<int32_t> xp(M * pairs);
-  const int64_t grain = M * K >= (int64_t{1} << 18) ? 1 : blocks;  // parallel_for runs a range under grain inline
-  at::parallel_for(0, blocks, grain, [&](int64_t b0, int64_t b1) {
-    std::vector<uint16_t> scratch(xc.scalar_type() == at::kFloat ? kDotMaxRows * K : 0);  // float32 rows rounded
-    for (int64_t b = b0; b < b1; ++b) {
-      const int64_t r0 = starts[b], rows = starts[b + 1] - r0;
-      if (xc.scalar_type() == at::kFloat)
-        pack_pairs(xc.data_ptr<float>(), K, r0, rows, K, xp.data() + r0 * pairs, scratch.data());
-      else pack_pairs(reinterpret_cast<const uint16_t*>(xc.data_ptr<at::BFloat16>()), K, r0, rows, K,
-                      xp.data() + r0 * pairs, scratch.data());
-    }
-  });
+  // x's rows as bfloat16, row-major, their k pairs read in place by the tiles: x itself where it is bfloat16 (down's
+  // input, from SiLU-and-mul), else rounded once, over the threads from 256K values on. They were packed pair-major a
+  // row block at a time before (a transpose into a zeroed buffer, on the calling thread for a decode step): in one
+  // process, 2 Zen 4 cores, alternating, 2,048-token prefill steps 1,305 -> 1,252 ms, 32-row decode steps 38.6 ->
+  // 37.6 ms; down's GEMM alone at 32 rows 1.09-1.26x, at 2,048 rows 1.07x.
+  const at::Tensor xb = xc.scalar_type() == at::kBFloat16 ? xc : rows_as_bf16(xc);  // [M, K]
+  const int32_t* xr = reinterpret_cast<const int32_t*>(xb.data_ptr<at::BFloat16>());  // [M, pairs]
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* out16 = bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   float* out32 = bf16_out ? nullptr : out.data_ptr<float>();
@@ -119,8 +124,8 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, b
           const char* next_share = b == 0 ? nullptr
                                           : reinterpret_cast<const char*>(wp + (p + 1) * pairs * 2 * kDotCols) +
                                                 (b - 1) * panel_bytes / (blocks - 1);
-          dot_tile<decltype(mr)::value>(xp.data() + r0 * pairs, wp + p * pairs * 2 * kDotCols, pairs, nullptr, 0, store,
-                                        b == 0 ? kPrefetchPairs : 0, next_share);
+          dot_tile<decltype(mr)::value, kRowMajor>(xr + r0 * pairs, wp + p * pairs * 2 * kDotCols, pairs, nullptr, 0,
+                                                   store, b == 0 ? kPrefetchPairs : 0, next_share, pairs);
         });
       }
     }

@@ -47,14 +47,13 @@ void LinearOp::set_int8_gemm(std::vector<at::Tensor> tensors, int64_t min_rows) 
   gemm_min_rows_ = std::max<int64_t>(1, min_rows);
 }
 
-void LinearOp::set_dot_weight(at::Tensor dot, int64_t max_rows) {
+void LinearOp::set_dot_weight(at::Tensor dot) {
   TORCH_CHECK(gemm_weight_.defined() && gemm_weight_.scalar_type() == at::kBFloat16,
               "LinearOp: set a bfloat16 GEMM weight before its dot-product copy");
   TORCH_CHECK(dot.dim() == 4 && dot.size(1) * 2 == gemm_weight_.size(1) &&
                   dot.size(0) == (gemm_weight_.size(0) + dot.size(2) - 1) / dot.size(2),
               "LinearOp: the dot-product weight must be pack_bf16_gemm of the GEMM weight");
   dot_ = dot;
-  dot_max_rows_ = max_rows;
 }
 
 namespace {
@@ -71,7 +70,7 @@ at::Tensor linear_prepacked(const at::Tensor& x, const at::Tensor& packed) {
 }  // namespace
 
 at::Tensor LinearOp::gemm_unwidened(const at::Tensor& x) const {
-  if (takes_dot(x.size(0))) return tp::bf16_gemm(x, dot_, gemm_weight_.size(0), /*bf16_out=*/true);
+  if (takes_dot()) return tp::bf16_gemm(x, dot_, gemm_weight_.size(0), /*bf16_out=*/true);
   const at::Tensor xg = x.to(gemm_weight_.scalar_type());  // [M, K]
   const bool prepacked = gemm_packed_.defined() && x.size(0) < gemm_packed_max_rows_;
   return prepacked ? linear_prepacked(xg, gemm_packed_) : at::linear(xg, gemm_weight_);
@@ -88,7 +87,7 @@ at::Tensor LinearOp::gemm(const at::Tensor& x) const {
                                                          int8_.size() > 3 ? c10::optional<at::Tensor>(int8_[3])
                                                                           : c10::nullopt,
                                                          t_[0].size(0))  // the blocks' rows: N
-                 : takes_dot(x.size(0)) ? tp::bf16_gemm(x, dot_, gemm_weight_.size(0), /*bf16_out=*/false)
+                 : takes_dot() ? tp::bf16_gemm(x, dot_, gemm_weight_.size(0), /*bf16_out=*/false)
                                         : gemm_unwidened(x).to(at::kFloat);
   if (bias_.has_value() && bias_->defined()) y.add_(*bias_);
   return y;
