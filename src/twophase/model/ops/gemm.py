@@ -61,10 +61,10 @@ def use_gemm_weights(model: nn.Module, dtype: torch.dtype, min_rows: int | None 
     for module in model.modules():
         if isinstance(module, PanelLinear):
             weight = module.unpacked_weight().to(dtype).contiguous()  # [out, in]
-            module.register_buffer("gemm_weight", weight)
             if dot_products and use_dot_weight(module.op, weight, dot_min_rows):
-                module.gemm_packed = None
+                module.gemm_packed = None  # the dot-product panels are the only copy
             else:  # opaque: kept alive, not state
+                module.register_buffer("gemm_weight", weight)
                 module.gemm_packed = set_gemm_weight(module.op, weight, gemm_min_rows)
             count += 1
     return count
@@ -83,8 +83,7 @@ def use_dot_weight(op, weight: torch.Tensor, min_rows: int) -> bool:
     kernels = load_kernels()
     if kernels is None or not kernels.bf16_gemm_available() or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
         return False
-    op.set_gemm_weight(weight, min_rows, None, 0)
-    op.set_dot_weight(kernels.pack_bf16_gemm(weight))  # [panels, in / 2, 32, 2]
+    op.set_dot_weight(kernels.pack_bf16_gemm(weight), min_rows)  # [panels, in / 2, 32, 2]
     return True
 
 

@@ -73,7 +73,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("silu_gated", &tp::LinearOp::silu_gated, py::arg("x"), py::call_guard<py::gil_scoped_release>())
       .def("set_gemm_weight", &tp::LinearOp::set_gemm_weight, py::arg("weight"), py::arg("min_rows"),
            py::arg("packed") = py::none(), py::arg("packed_max_rows") = 0)
-      .def("set_dot_weight", &tp::LinearOp::set_dot_weight, py::arg("dot"))
+      .def("set_dot_weight", &tp::LinearOp::set_dot_weight, py::arg("dot"), py::arg("min_rows"))
       .def("set_int8_gemm", &tp::LinearOp::set_int8_gemm, py::arg("tensors"), py::arg("min_rows"));
   py::class_<tp::StackLayer>(m, "StackLayer", "one decoder layer's norms and projections")
       .def(py::init<at::Tensor, at::Tensor, tp::LinearOp, tp::LinearOp, tp::LinearOp, tp::LinearOp>(),

@@ -47,13 +47,12 @@ void LinearOp::set_int8_gemm(std::vector<at::Tensor> tensors, int64_t min_rows) 
   gemm_min_rows_ = std::max<int64_t>(1, min_rows);
 }
 
-void LinearOp::set_dot_weight(at::Tensor dot) {
-  TORCH_CHECK(gemm_weight_.defined() && gemm_weight_.scalar_type() == at::kBFloat16,
-              "LinearOp: set a bfloat16 GEMM weight before its dot-product copy");
-  TORCH_CHECK(dot.dim() == 4 && dot.size(1) * 2 == gemm_weight_.size(1) &&
-                  dot.size(0) == (gemm_weight_.size(0) + dot.size(2) - 1) / dot.size(2),
-              "LinearOp: the dot-product weight must be pack_bf16_gemm of the GEMM weight");
+void LinearOp::set_dot_weight(at::Tensor dot, int64_t min_rows) {
+  TORCH_CHECK(!batch_invariant_, "LinearOp: a GEMM weight would make rows depend on the batch (batch_invariant)");
+  TORCH_CHECK(out_features_ > 0 && dot.dim() == 4 && dot.size(0) == (out_features_ + dot.size(2) - 1) / dot.size(2),
+              "LinearOp: the dot-product weight must be pack_bf16_gemm of a bfloat16 [out_features, in] weight");
   dot_ = dot;
+  gemm_min_rows_ = std::max<int64_t>(1, min_rows);
 }
 
 namespace {
@@ -70,14 +69,14 @@ at::Tensor linear_prepacked(const at::Tensor& x, const at::Tensor& packed) {
 }  // namespace
 
 at::Tensor LinearOp::gemm_unwidened(const at::Tensor& x) const {
-  if (takes_dot()) return tp::bf16_gemm(x, dot_, gemm_weight_.size(0), /*bf16_out=*/true);
+  if (takes_dot()) return tp::bf16_gemm(x, dot_, out_features_, /*bf16_out=*/true);
   const at::Tensor xg = x.to(gemm_weight_.scalar_type());  // [M, K]
   const bool prepacked = gemm_packed_.defined() && x.size(0) < gemm_packed_max_rows_;
   return prepacked ? linear_prepacked(xg, gemm_packed_) : at::linear(xg, gemm_weight_);
 }
 
 bool LinearOp::gives_bfloat16(int64_t rows) const {
-  return takes_gemm(rows) && gemm_weight_.defined() && gemm_weight_.scalar_type() == at::kBFloat16 &&
+  return takes_gemm(rows) && (takes_dot() || gemm_weight_.scalar_type() == at::kBFloat16) &&
          !(bias_.has_value() && bias_->defined());
 }
 
@@ -87,7 +86,7 @@ at::Tensor LinearOp::gemm(const at::Tensor& x) const {
                                                          int8_.size() > 3 ? c10::optional<at::Tensor>(int8_[3])
                                                                           : c10::nullopt,
                                                          t_[0].size(0))  // the blocks' rows: N
-                 : takes_dot() ? tp::bf16_gemm(x, dot_, gemm_weight_.size(0), /*bf16_out=*/false)
+                 : takes_dot() ? tp::bf16_gemm(x, dot_, out_features_, /*bf16_out=*/false)
                                         : gemm_unwidened(x).to(at::kFloat);
   if (bias_.has_value() && bias_->defined()) y.add_(*bias_);
   return y;
@@ -107,7 +106,7 @@ at::Tensor LinearOp::kernel(const at::Tensor& x, bool gated) const {
 }
 
 bool LinearOp::takes_gemm(int64_t rows) const {
-  return (gemm_weight_.defined() || !int8_.empty()) && rows >= gemm_min_rows_;
+  return (gemm_weight_.defined() || takes_dot() || !int8_.empty()) && rows >= gemm_min_rows_;
 }
 
 at::Tensor LinearOp::operator()(const at::Tensor& x) const {

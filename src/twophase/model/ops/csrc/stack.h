@@ -24,10 +24,10 @@ class LinearOp {
   // (optional): the same weight reordered by oneDNN (torch.ops.mkldnn._reorder_linear_weight), run by
   // mkldnn::_linear_pointwise below packed_max_rows rows, where it saves the per-call reorder.
   void set_gemm_weight(at::Tensor weight, int64_t min_rows, c10::optional<at::Tensor> packed, int64_t packed_max_rows);
-  // From the GEMM weight's min_rows on, at every row count, the GEMM runs on bf16_gemm's AVX512-BF16 dot products
-  // instead of torch's: `dot` is the bfloat16 GEMM weight in pack_bf16_gemm's layout. Its result is the same
-  // bfloat16-rounded GEMM result, summed in another order; set_gemm_weight first.
-  void set_dot_weight(at::Tensor dot);
+  // From min_rows rows on, at every row count, the projection runs bf16_gemm's AVX512-BF16 dot products instead of
+  // its kernel: `dot` is its weight in bfloat16 [out_features, in], in pack_bf16_gemm's layout (no other copy is
+  // kept). The bfloat16-rounded GEMM result torch's would give, summed in another order.
+  void set_dot_weight(at::Tensor dot, int64_t min_rows);
   // From min_rows rows on, a block-format projection (q8_0, q4_1) runs int8_gemm on `tensors` (pack_int8_gemm of its
   // blocks: packed values, negsum, scales[, mins]) instead of its kernel: the same quantities (x rounded to int8
   // blocks, the blocks' products summed exactly) at AVX512-VNNI's rate; float32 sums in another order.
@@ -51,7 +51,7 @@ class LinearOp {
   int64_t gemm_min_rows_ = 0;
   at::Tensor gemm_packed_;  // undefined: at::linear at every row count from gemm_min_rows_
   int64_t gemm_packed_max_rows_ = 0;
-  at::Tensor dot_;  // undefined: torch's GEMM from gemm_min_rows_
+  at::Tensor dot_;  // defined: the GEMM is bf16_gemm on it (set_dot_weight)
   std::vector<at::Tensor> int8_;  // not empty: the GEMM is int8_gemm on these (set_int8_gemm)
   bool takes_dot() const { return dot_.defined(); }
 };
