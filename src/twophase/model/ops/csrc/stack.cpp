@@ -29,11 +29,10 @@ LinearOp::LinearOp(const std::string& kind, std::vector<at::Tensor> tensors, c10
 
 void LinearOp::set_gemm_weight(at::Tensor weight, int64_t min_rows, c10::optional<at::Tensor> packed,
                                int64_t packed_max_rows) {
-  TORCH_CHECK(!batch_invariant_, "LinearOp: a GEMM weight would make rows depend on the batch (batch_invariant)");
   TORCH_CHECK(weight.dim() == 2 && (out_features_ == 0 || weight.size(0) == out_features_),
               "LinearOp: the GEMM weight must be [out_features, in_features]");
+  gemm_from(min_rows, /*rows_independent=*/false);
   gemm_weight_ = weight.contiguous();
-  gemm_min_rows_ = std::max<int64_t>(1, min_rows);
   gemm_packed_ = packed.has_value() ? *packed : at::Tensor();
   gemm_packed_max_rows_ = packed_max_rows;
 }
@@ -41,17 +40,22 @@ void LinearOp::set_gemm_weight(at::Tensor weight, int64_t min_rows, c10::optiona
 void LinearOp::set_int8_gemm(std::vector<at::Tensor> tensors, int64_t min_rows) {
   TORCH_CHECK(kind_ == Kind::Q8_0 || kind_ == Kind::Q4_1, "LinearOp: int8_gemm runs q8_0 / q4_1 blocks");
   TORCH_CHECK(tensors.size() == (kind_ == Kind::Q4_1 ? 4u : 3u), "LinearOp: pack_int8_gemm's tensors expected");
-  // a row computed by the kernel below min_rows and by int8_gemm from there would depend on the batch's size
-  TORCH_CHECK(!batch_invariant_ || min_rows <= 1, "LinearOp: batch_invariant takes int8_gemm at every row count");
+  gemm_from(min_rows, /*rows_independent=*/true);
   int8_ = std::move(tensors);
-  gemm_min_rows_ = std::max<int64_t>(1, min_rows);
 }
 
 void LinearOp::set_dot_weight(at::Tensor dot, int64_t min_rows) {
-  TORCH_CHECK(!batch_invariant_, "LinearOp: a GEMM weight would make rows depend on the batch (batch_invariant)");
   TORCH_CHECK(out_features_ > 0 && dot.dim() == 4 && dot.size(0) == (out_features_ + dot.size(2) - 1) / dot.size(2),
               "LinearOp: the dot-product weight must be pack_bf16_gemm of a bfloat16 [out_features, in] weight");
+  gemm_from(min_rows, /*rows_independent=*/false);
   dot_ = dot;
+}
+
+void LinearOp::gemm_from(int64_t min_rows, bool rows_independent) {
+  // torch's GEMM may sum a row differently with other rows beside it; and a row computed by the kernel below
+  // min_rows and by a GEMM from there would depend on the batch's size
+  TORCH_CHECK(!batch_invariant_ || (rows_independent && min_rows <= 1),
+              "LinearOp: a GEMM would make rows depend on the batch (batch_invariant)");
   gemm_min_rows_ = std::max<int64_t>(1, min_rows);
 }
 
@@ -76,8 +80,8 @@ at::Tensor LinearOp::gemm_unwidened(const at::Tensor& x) const {
 }
 
 bool LinearOp::gives_bfloat16(int64_t rows) const {
-  return takes_gemm(rows) && (takes_dot() || gemm_weight_.scalar_type() == at::kBFloat16) &&
-         !(bias_.has_value() && bias_->defined());
+  const bool bf16_gemm_result = takes_dot() || (gemm_weight_.defined() && gemm_weight_.scalar_type() == at::kBFloat16);
+  return takes_gemm(rows) && bf16_gemm_result && !(bias_.has_value() && bias_->defined());
 }
 
 at::Tensor LinearOp::gemm(const at::Tensor& x) const {

@@ -39,7 +39,10 @@ class LinearOp {
 
  private:
   at::Tensor gemm(const at::Tensor& x) const;
-  bool takes_gemm(int64_t rows) const;  // whether `rows` rows run on the GEMM weight copy
+  bool takes_gemm(int64_t rows) const;  // whether `rows` rows run on a GEMM (torch's, bf16_gemm or int8_gemm)
+  // The GEMM set from min_rows rows on; rows_independent: it sums every row alone (int8_gemm), so under
+  // batch_invariant it may run from one row
+  void gemm_from(int64_t min_rows, bool rows_independent);
   // The kernel for its kind (gated: through SiLU-and-mul, applied as the panels store where gates_in_panels).
   at::Tensor kernel(const at::Tensor& x, bool gated) const;
   enum class Kind { Panels, Int8, Q8_0, Q4_1, BlockPanels } kind_;
@@ -47,7 +50,7 @@ class LinearOp {
   c10::optional<at::Tensor> bias_;
   bool batch_invariant_;
   int64_t out_features_;
-  at::Tensor gemm_weight_;  // undefined: the kernels at every batch size
+  at::Tensor gemm_weight_;  // defined: the GEMM is torch's on this copy (set_gemm_weight)
   int64_t gemm_min_rows_ = 0;
   at::Tensor gemm_packed_;  // undefined: at::linear at every row count from gemm_min_rows_
   int64_t gemm_packed_max_rows_ = 0;
