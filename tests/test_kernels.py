@@ -106,28 +106,6 @@ def test_bf16_gemm_rows_do_not_depend_on_the_batch() -> None:
         assert torch.equal(together, alone), m
 
 
-@needs_bf16_dot
-@pytest.mark.parametrize(("f", "k"), [(1536, 576), (64, 68), (96, 2)])
-@pytest.mark.parametrize("m", [1, 8, 13, 32, 127, 600])
-def test_bf16_gemm_silu_is_silu_and_mul_of_the_gemm(m: int, f: int, k: int) -> None:
-    """bf16_gemm_silu over a packed gate / up weight [2F, k] (gate's rows first) gives the bits of SiLU-and-mul on
-    bf16_gemm's bfloat16 result, for float32 and bfloat16 x, gates past exp's clamps (|g| > 88) included; F that is
-    not whole panels of 32 is refused."""
-    g = torch.Generator().manual_seed(m * 100 + f)
-    w = (torch.randn(2 * f, k, generator=g) * 3).bfloat16()
-    packed = K.pack_bf16_gemm(w)
-    wide = torch.randn(m, k, generator=g) * 4
-    wide[0] *= 50  # row 0's gates far past exp's clamps
-    assert K.bf16_gemm(wide, packed, 2 * f, False)[0, :f].abs().max() > 88
-    for x in (wide, torch.randn(m, k, generator=g).bfloat16()):
-        fused = K.bf16_gemm_silu(x, packed, 2 * f)
-        two_pass = K.silu_and_mul_widened(K.bf16_gemm(x, packed, 2 * f, True))
-        assert fused.dtype == torch.bfloat16 and fused.shape == (m, f)
-        assert torch.equal(fused.view(torch.int16), two_pass.view(torch.int16))
-    with pytest.raises(RuntimeError, match="whole panels"):
-        K.bf16_gemm_silu(wide, K.pack_bf16_gemm(w[: 2 * f - 32]), 2 * f - 32)
-
-
 def test_bf16_gemm_checks_its_arguments() -> None:
     """Odd K is refused when packing; a weight of another K or N, or a build without AVX512-BF16, when multiplying."""
     with pytest.raises(RuntimeError, match="even"):

@@ -24,9 +24,7 @@ Kernels (all CPU, OpenMP over torch's intra-op threads, AVX2/FMA with a scalar f
 - ``bf16_gemm_available()``, ``pack_bf16_gemm(weight)``, ``bf16_gemm(x, packed, n, bf16_out)`` (``csrc/gemm_bf16.cpp``,
   where the CPU has AVX512-BF16): y = x @ w.T for a bfloat16 w [N, K] (K even) in panels of 32 outputs with k in
   pairs, x float32 / bfloat16 [M, K] rounded to bfloat16, float32 sums on ``vdpbf16ps``, the result rounded to
-  bfloat16 (``bf16_out``) or those values as float32; written for 8-127 rows. ``bf16_gemm_silu(x, packed, n)``: for
-  a packed gate / up weight [n = 2F, K] (gate's rows first, F a multiple of 32), ``silu_and_mul_widened`` of
-  ``bf16_gemm(x, packed, n, True)``, the same bits, applied as the up tiles store ([M, F] bfloat16).
+  bfloat16 (``bf16_out``) or those values as float32; written for 8-127 rows.
 - ``int8_gemm_available()``, ``pack_int8_gemm(values, scales, mins=None)``, ``int8_gemm(x, packed, negsum, scales,
   mins, n)`` (``csrc/gemm_int8.cpp``, where the CPU has AVX512-VNNI): y = x @ w.T for w in int8 blocks of 32 (values
   int8 [N, K], scales / mins float32 [N, K/32]; Q8_0 / Q4_1), x float32 [M, K] rounded to int8 blocks as for Q8_0,

@@ -43,9 +43,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"));
   m.def("bf16_gemm", &tp::bf16_gemm, "y = x @ w.T on bfloat16 dot products (w packed by pack_bf16_gemm)",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bf16_out"), py::call_guard<py::gil_scoped_release>());
-  m.def("bf16_gemm_silu", &tp::bf16_gemm_silu,
-        "silu(gate) * up of one bf16_gemm over a packed [2F, k] gate / up weight, as bfloat16 [M, F]", py::arg("x"),
-        py::arg("packed"), py::arg("n"), py::call_guard<py::gil_scoped_release>());
   m.def("int8_gemm_available", &tp::int8_gemm_available, "whether int8_gemm was built (AVX512-VNNI)");
   m.def("pack_int8_gemm", &tp::pack_int8_gemm,
         "int8 block values [n, k] with scales [, mins] [n, k / 32] -> int8_gemm's (packed, negsum, scales[, mins])",

@@ -216,13 +216,6 @@ inline __m512 exp512_nonpositive(__m512 x) {
   return _mm512_scalef_ps(y, n);
 }
 
-// silu(g) * u of 16 lanes: silu8's arithmetic lane for lane, times u. SiLU-and-mul's pass over bfloat16 gate / up
-// (fused.cpp) and bf16_gemm_silu's store (gemm_bf16.cpp) both take it, so the two give the same bits.
-inline __m512 silu_mul16(__m512 g, __m512 u) {
-  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-  return _mm512_mul_ps(silu, u);
-}
-
 // 16 float32 lanes as bfloat16, rounded to nearest even (NaN kept quiet), as f32_to_bf16 / convert round them.
 inline __m256i bf16x16_of(__m512 f) {
   const __m512i u = _mm512_castps_si512(f);

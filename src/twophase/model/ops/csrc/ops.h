@@ -56,11 +56,6 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
 bool bf16_gemm_available();
 at::Tensor pack_bf16_gemm(const at::Tensor& weight);
 at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool bf16_out);
-// silu(gate) * up from one GEMM over a packed gate / up weight [2F, K] (gate's rows first): the bits of
-// silu_and_mul_widened(bf16_gemm(x, packed, 2F, true)), [M, F] bfloat16, without the [M, 2F] product. Where
-// bf16_gemm_silu_fits(2F): gate and up each whole panels.
-bool bf16_gemm_silu_fits(int64_t n);
-at::Tensor bf16_gemm_silu(const at::Tensor& x, const at::Tensor& packed, int64_t n);
 // GGUF-style int8 blocks on AVX512-VNNI (gemm_int8.cpp): whether this build has it; values int8 [N, K] (K a
 // multiple of 32) with scales [and mins] float32 [N, K / 32] (w = scale q [+ min] a block) -> the kernel's tensors
 // (packed values, -128 x block sums, scales[, mins] by panel); y = x @ W.T as float32 [M, n], x float32 [M, K]

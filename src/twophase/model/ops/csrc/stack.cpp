@@ -79,12 +79,6 @@ at::Tensor LinearOp::gemm_unwidened(const at::Tensor& x) const {
   return prepacked ? linear_prepacked(xg, gemm_packed_) : at::linear(xg, gemm_weight_);
 }
 
-at::Tensor LinearOp::silu_gated_unwidened(const at::Tensor& x) const {
-  // on the dot products, SiLU-and-mul applied as each up tile stores (its gate tile waits in the thread's scratch)
-  if (takes_dot() && tp::bf16_gemm_silu_fits(out_features_)) return tp::bf16_gemm_silu(x, dot_, out_features_);
-  return tp::silu_and_mul_widened(gemm_unwidened(x));
-}
-
 bool LinearOp::gives_bfloat16(int64_t rows) const {
   const bool bf16_gemm_result = takes_dot() || (gemm_weight_.defined() && gemm_weight_.scalar_type() == at::kBFloat16);
   return takes_gemm(rows) && bf16_gemm_result && !(bias_.has_value() && bias_->defined());
@@ -148,7 +142,7 @@ void DecoderStack::set_kv_caches(std::vector<at::Tensor> k_caches, std::vector<a
 at::Tensor DecoderStack::mlp(const StackLayer& layer, const at::Tensor& h) const {
   const int64_t T = h.size(0);
   if (layer.gate_up.gives_bfloat16(T) && layer.down.gives_bfloat16(T))
-    return layer.down(layer.gate_up.silu_gated_unwidened(h));
+    return layer.down(tp::silu_and_mul_widened(layer.gate_up.gemm_unwidened(h)));
   return layer.down(layer.gate_up.silu_gated(h));
 }
 

@@ -36,8 +36,6 @@ class LinearOp {
   bool gives_bfloat16(int64_t rows) const;
   // The GEMM's own result [M, N] in the copy's dtype (x in any float dtype): operator()'s values before widening.
   at::Tensor gemm_unwidened(const at::Tensor& x) const;
-  // silu(gate) * up of this gate / up projection's bfloat16 GEMM result, as bfloat16 [T, F] (where gives_bfloat16)
-  at::Tensor silu_gated_unwidened(const at::Tensor& x) const;
 
  private:
   at::Tensor gemm(const at::Tensor& x) const;
