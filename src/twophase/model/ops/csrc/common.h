@@ -37,6 +37,26 @@ void dynamic_for(int64_t n, const MakeState& make_state, const Body& body) {
   });
 }
 
+// Calls body(u0, u1, state) on torch's intra-op threads for runs [u0, u1) that cover [0, n) in order, each thread
+// claiming the next run when it finishes its last; state = make_state() once per thread. A run is the units left /
+// (2 x threads), at least min_run: long runs first, short ones at the end, so that the threads finish together (with
+// items of a fixed size, one thread starting a little late leaves the other a whole extra item). Which thread runs a
+// unit never changes that unit's arithmetic.
+template <class MakeState, class Body>
+void guided_for(int64_t n, int64_t min_run, const MakeState& make_state, const Body& body) {
+  const int64_t threads = std::max(1, at::get_num_threads());
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(threads, n), 1, [&](int64_t, int64_t) {
+    auto state = make_state();
+    for (int64_t u0 = next.load(std::memory_order_relaxed); u0 < n;) {
+      const int64_t run = std::max(min_run, (n - u0) / (2 * threads));
+      if (!next.compare_exchange_weak(u0, u0 + run, std::memory_order_relaxed)) continue;  // u0 now the latest
+      body(u0, std::min(n, u0 + run), state);
+      u0 = next.load(std::memory_order_relaxed);
+    }
+  });
+}
+
 // fn(std::integral_constant<int, rows>) for rows in [1, Max] (anything above Max as Max): a register tile's row count
 // as a template argument.
 template <int Max, class Fn, int... I>
