@@ -576,6 +576,36 @@ struct ItemRows {
   int64_t query(int64_t rr) const { return q0 + (rr % per_head) / G; }  // within the request
 };
 
+// dst[i] = s * src[i], i < n: the values a copy and then scale_f32 give, in one pass (a float32 row was a memcpy
+// call, 256 bytes at a time, then the scaling).
+inline void scaled_copy(float* dst, const float* src, float s, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX2__
+  const __m256 sv = _mm256_set1_ps(s);
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_mul_ps(sv, _mm256_loadu_ps(src + i)));
+#endif
+  for (; i < n; ++i) dst[i] = s * src[i];
+}
+inline void scaled_copy(float* dst, const uint16_t* src, float s, int64_t n) {
+  convert(dst, src, n);
+  scale_f32(dst, s, n);
+}
+inline void scaled_copy(uint16_t* dst, float* src, float s, int64_t n) {  // scales src in place, then rounds it
+  scale_f32(src, s, n);
+  convert(dst, src, n);
+}
+
+// The rows of an item lie apart (a query's rows of q, of out): the row this many ahead is prefetched as one is
+// copied, so that the copies' cache misses overlap. Prefill attention of 8 x 256 tokens over 30 layers, 2 Zen 4
+// cores, q a view of a qkv output: the row copies were ~20% of its samples (in memmove), and it took 109.5 -> 102.3
+// ms with both changes (medians of 4 alternating builds; 12 rows ahead instead of 4 the same); in the engine's
+// 2,048-token prefill steps the copies went from ~2.9% of the samples to 1.2%.
+constexpr int64_t kRowPrefetch = 4;
+template <int Write>
+inline void prefetch_row(const void* row, int64_t bytes) {
+  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(row) + b, Write, 3);
+}
+
 // Starts item w: its rows' queries into sc.q (float32, times the scale), their key positions into sc.pos, the online
 // softmax's state (acc, m, l) reset.
 template <class QT>
@@ -583,9 +613,10 @@ void begin_item(const Args& a, const WorkItem& w, const QT* q, Scratch& sc) {
   const ItemRows at(a, w);
   const int64_t D = a.D, rows = w.rows(a.groups), tok0 = a.qsl[w.req];
   const int64_t start = a.seq_lens[w.req] - (a.qsl[w.req + 1] - tok0);  // the request's first query position
+  auto q_row = [&](int64_t rr) { return q + (tok0 + at.query(rr)) * a.q_s0 + at.head(rr) * D; };
   for (int64_t rr = 0; rr < rows; ++rr) {
-    convert(sc.q.data() + rr * D, q + (tok0 + at.query(rr)) * a.q_s0 + at.head(rr) * D, D);
-    scale_f32(sc.q.data() + rr * D, a.scale, D);
+    if (rr + kRowPrefetch < rows) prefetch_row<0>(q_row(rr + kRowPrefetch), D * sizeof(QT));
+    scaled_copy(sc.q.data() + rr * D, q_row(rr), a.scale, D);
     sc.pos[rr] = start + at.query(rr);
   }
   std::fill(sc.acc.begin(), sc.acc.begin() + rows * D, 0.f);
@@ -597,11 +628,11 @@ void begin_item(const Args& a, const WorkItem& w, const QT* q, Scratch& sc) {
 template <class QT>
 void finish_item(const Args& a, const WorkItem& w, QT* out, Scratch& sc) {
   const ItemRows at(a, w);
-  const int64_t D = a.D, tok0 = a.qsl[w.req];
-  for (int64_t rr = 0; rr < w.rows(a.groups); ++rr) {
-    float* acc = sc.acc.data() + rr * D;
-    scale_f32(acc, sc.l[rr] > 0.f ? 1.f / sc.l[rr] : 0.f, D);
-    convert(out + (tok0 + at.query(rr)) * a.o_s0 + at.head(rr) * D, acc, D);
+  const int64_t D = a.D, tok0 = a.qsl[w.req], rows = w.rows(a.groups);
+  auto out_row = [&](int64_t rr) { return out + (tok0 + at.query(rr)) * a.o_s0 + at.head(rr) * D; };
+  for (int64_t rr = 0; rr < rows; ++rr) {
+    if (rr + kRowPrefetch < rows) prefetch_row<1>(out_row(rr + kRowPrefetch), D * sizeof(QT));
+    scaled_copy(out_row(rr), sc.acc.data() + rr * D, sc.l[rr] > 0.f ? 1.f / sc.l[rr] : 0.f, D);
   }
 }
 
