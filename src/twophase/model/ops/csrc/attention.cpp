@@ -601,10 +601,6 @@ inline void scaled_copy(uint16_t* dst, float* src, float s, int64_t n) {  // sca
 // ms with both changes (medians of 4 alternating builds; 12 rows ahead instead of 4 the same); in the engine's
 // 2,048-token prefill steps the copies went from ~2.9% of the samples to 1.2%.
 constexpr int64_t kRowPrefetch = 4;
-template <int Write>
-inline void prefetch_row(const void* row, int64_t bytes) {
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(static_cast<const char*>(row) + b, Write, 3);
-}
 
 // Starts item w: its rows' queries into sc.q (float32, times the scale), their key positions into sc.pos, the online
 // softmax's state (acc, m, l) reset.
@@ -615,7 +611,7 @@ void begin_item(const Args& a, const WorkItem& w, const QT* q, Scratch& sc) {
   const int64_t start = a.seq_lens[w.req] - (a.qsl[w.req + 1] - tok0);  // the request's first query position
   auto q_row = [&](int64_t rr) { return q + (tok0 + at.query(rr)) * a.q_s0 + at.head(rr) * D; };
   for (int64_t rr = 0; rr < rows; ++rr) {
-    if (rr + kRowPrefetch < rows) prefetch_row<0>(q_row(rr + kRowPrefetch), D * sizeof(QT));
+    if (rr + kRowPrefetch < rows) prefetch_bytes(q_row(rr + kRowPrefetch), D * sizeof(QT));
     scaled_copy(sc.q.data() + rr * D, q_row(rr), a.scale, D);
     sc.pos[rr] = start + at.query(rr);
   }
@@ -631,7 +627,7 @@ void finish_item(const Args& a, const WorkItem& w, QT* out, Scratch& sc) {
   const int64_t D = a.D, tok0 = a.qsl[w.req], rows = w.rows(a.groups);
   auto out_row = [&](int64_t rr) { return out + (tok0 + at.query(rr)) * a.o_s0 + at.head(rr) * D; };
   for (int64_t rr = 0; rr < rows; ++rr) {
-    if (rr + kRowPrefetch < rows) prefetch_row<1>(out_row(rr + kRowPrefetch), D * sizeof(QT));
+    if (rr + kRowPrefetch < rows) prefetch_bytes(out_row(rr + kRowPrefetch), D * sizeof(QT));
     scaled_copy(out_row(rr), sc.acc.data() + rr * D, sc.l[rr] > 0.f ? 1.f / sc.l[rr] : 0.f, D);
   }
 }

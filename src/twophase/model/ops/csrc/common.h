@@ -24,37 +24,47 @@
 
 namespace tp {
 
-// Calls body(i, state) for every i in [0, n) on torch's intra-op threads, each thread taking the next index when it
-// finishes the one before (dynamic scheduling: on a shared machine one core often runs slower, and a static split
-// leaves the other waiting at the end); state = make_state() once per thread, for its scratch buffers. Which thread
-// runs an item never changes that item's arithmetic.
-template <class MakeState, class Body>
-void dynamic_for(int64_t n, const MakeState& make_state, const Body& body) {
+// Calls body(u0, u1, state) on torch's intra-op threads for runs [u0, u1) that cover [0, n) in order, each thread
+// claiming the next run when it finishes its last (dynamic scheduling: on a shared machine one core often runs
+// slower, and a static split leaves the other waiting at the end); state = make_state() once per thread, for its
+// scratch buffers; run_of(units left) is the length of the next run. Which thread runs a unit never changes that
+// unit's arithmetic.
+template <class RunOf, class MakeState, class Body>
+void claim_runs(int64_t n, const RunOf& run_of, const MakeState& make_state, const Body& body) {
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
     auto state = make_state();
-    for (int64_t i; (i = next.fetch_add(1)) < n;) body(i, state);
-  });
-}
-
-// Calls body(u0, u1, state) on torch's intra-op threads for runs [u0, u1) that cover [0, n) in order, each thread
-// claiming the next run when it finishes its last; state = make_state() once per thread. A run is the units left /
-// (2 x threads), at least min_run: long runs first, short ones at the end, so that the threads finish together (with
-// items of a fixed size, one thread starting a little late leaves the other a whole extra item). Which thread runs a
-// unit never changes that unit's arithmetic.
-template <class MakeState, class Body>
-void guided_for(int64_t n, int64_t min_run, const MakeState& make_state, const Body& body) {
-  const int64_t threads = std::max(1, at::get_num_threads());
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(threads, n), 1, [&](int64_t, int64_t) {
-    auto state = make_state();
     for (int64_t u0 = next.load(std::memory_order_relaxed); u0 < n;) {
-      const int64_t run = std::max(min_run, (n - u0) / (2 * threads));
+      const int64_t run = run_of(n - u0);
       if (!next.compare_exchange_weak(u0, u0 + run, std::memory_order_relaxed)) continue;  // u0 now the latest
       body(u0, std::min(n, u0 + run), state);
       u0 = next.load(std::memory_order_relaxed);
     }
   });
+}
+
+// body(i, state) for every i in [0, n), one item a claim (claim_runs): for items of uneven sizes, longest first.
+template <class MakeState, class Body>
+void dynamic_for(int64_t n, const MakeState& make_state, const Body& body) {
+  claim_runs(n, [](int64_t) { return int64_t{1}; }, make_state, [&](int64_t u0, int64_t u1, auto& state) {
+    for (int64_t i = u0; i < u1; ++i) body(i, state);
+  });
+}
+
+// claim_runs with runs of the units left / (2 x threads), at least one: long runs first, short ones at the end, so
+// that the threads finish together (with items of a fixed size, one thread starting a little late leaves the other a
+// whole extra item).
+template <class MakeState, class Body>
+void guided_for(int64_t n, const MakeState& make_state, const Body& body) {
+  const int64_t threads = std::max(1, at::get_num_threads());
+  claim_runs(n, [&](int64_t left) { return std::max<int64_t>(1, left / (2 * threads)); }, make_state, body);
+}
+
+// Asks for every 64-byte line of [p, p + n) (into L1).
+inline void prefetch_bytes(const void* p, int64_t n) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t i = 0; i < n; i += 64) __builtin_prefetch(c + i, 0, 3);
+  if (n > 0) __builtin_prefetch(c + n - 1, 0, 3);
 }
 
 // fn(std::integral_constant<int, rows>) for rows in [1, Max] (anything above Max as Max): a register tile's row count

@@ -100,7 +100,7 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, b
   // 2,048 rows the same (a layer's four 35.5 / 35.0 ms). S1-shaped rounds in one process, 3 x 2 alternating: 444.8
   // -> 455.9 tok/s, decode steps 35.8 -> 34.8 ms.
   const int64_t panel_bytes = pairs * 2 * kDotCols * static_cast<int64_t>(sizeof(uint16_t));
-  guided_for(P * blocks, 1, [] { return 0; }, [&](int64_t u0, int64_t u1, int) {
+  guided_for(P * blocks, [] { return 0; }, [&](int64_t u0, int64_t u1, int) {
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t p = u / blocks, b = u % blocks, r0 = starts[b];
       const int64_t cols = std::min(kDotCols, n - p * kDotCols);

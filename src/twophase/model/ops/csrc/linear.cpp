@@ -199,14 +199,6 @@ inline void q8_tile(const int8_t* const* xq, const float* const* xd, const float
 // at that rate, and prefetching did not help them (14.2-15.0 -> 13.8-14.0 GB/s), so they do without.
 constexpr int64_t kPrefetchBytes = 4096;
 
-inline void prefetch_bytes(const void* p, int64_t n) {  // every 64-byte line of [p, p + n)
-#if defined(__SSE__)
-  const char* c = static_cast<const char*>(p);
-  for (int64_t i = 0; i < n; i += 64) _mm_prefetch(c + i, _MM_HINT_T0);
-  if (n > 0) _mm_prefetch(c + n - 1, _MM_HINT_T0);
-#endif
-}
-
 // Rows ahead that make ~kPrefetchBytes of a row-major weight whose rows are row_bytes long.
 inline int64_t prefetch_rows_ahead(int64_t row_bytes) { return std::max<int64_t>(1, kPrefetchBytes / row_bytes); }
 
@@ -917,7 +909,7 @@ void panel_run(const PanelProblem<W>& p, const float* x, bool batch_invariant) {
       }
     }
   };
-  guided_for(groups * chunks, 1, converted, [&](int64_t u0, int64_t u1, float* wf) {
+  guided_for(groups * chunks, converted, [&](int64_t u0, int64_t u1, float* wf) {
     for (int64_t item = u0; item < u1; ++item) run_item(item, wf);
   });
 }
