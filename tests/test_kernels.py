@@ -19,7 +19,7 @@ from twophase.model.ops.quant import (
     quantize_q4_1,
     quantize_q8_0,
 )
-from twophase.model.attention import reference_paged_attention
+from twophase.model.attention import INT8_ROW_EXTRA, dequantize_int8_rows, quantize_int8_rows, reference_paged_attention
 
 K = extension.load_kernels()
 if K is None:
@@ -287,6 +287,11 @@ def test_fake_quantize_kernel_gives_the_torch_reference_bits() -> None:
         K.fake_quantize_activations(torch.randn(4, 40))
 
 
+def as_cache(x: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+    """x [..., D] as a cache of cache_dtype stores it (int8: quantize_int8_rows' rows of D + 4)."""
+    return quantize_int8_rows(x) if cache_dtype == torch.int8 else x.to(cache_dtype)
+
+
 def _paged_case(cache_dtype: torch.dtype, block_size: int, seed: int, extra_decodes: int = 0, dim: int = 40,
                 heads: int = 6, kv_heads: int = 2):
     """Mixed batch: decode rows, prefill chunks starting at 0 and > 0, an idle request, ``extra_decodes`` more
@@ -299,7 +304,7 @@ def _paged_case(cache_dtype: torch.dtype, block_size: int, seed: int, extra_deco
     n_blocks = len(seq_lens) * max_blocks
     perm = torch.randperm(n_blocks, generator=g).to(torch.int32)
     tables = perm.view(len(seq_lens), max_blocks)
-    kv = torch.randn(n_blocks * block_size, 2, kv_heads, dim, generator=g).to(cache_dtype)
+    kv = as_cache(torch.randn(n_blocks * block_size, 2, kv_heads, dim, generator=g), cache_dtype)
     k_cache, v_cache = kv[:, 0], kv[:, 1]  # strided views: slot stride 2*KVH*D
     qsl = torch.tensor([0] + q_lens).cumsum(0).to(torch.int32)
     q = torch.randn(int(qsl[-1]), heads, dim, generator=g)
@@ -311,22 +316,32 @@ def _many_decodes() -> int:
     return 4 * torch.get_num_threads() + 3
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+def _oracle_cache(cache: torch.Tensor) -> torch.Tensor:
+    """A cache as the float64 reference reads it (an int8 cache as stored: the reference dequantizes its rows)."""
+    return cache if cache.dtype == torch.int8 else cache.double()
+
+
+def _atol(cache_dtype: torch.dtype, dim: int) -> float:
+    """The kernel's distance from the float64 reference: float32 arithmetic (polynomial exp, ~2 ulp) over <= 150 keys
+    of convex combinations of N(0, 1) values, ~1e-6; over an int8 cache at D = 64 with AVX512-VNNI the queries are
+    rounded to int8 rows too (q . k in integers, as llama.cpp's q8_0 cache): scores of |q.k| <~ 10 move by <~ 2e-2."""
+    return 5e-2 if cache_dtype == torch.int8 and dim == 64 and K.int8_qk_available() else 2e-5
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("block_size", [16, 7])
 @pytest.mark.parametrize("wide", [False, True])
 @pytest.mark.parametrize("dim", [40, 64])  # 64: the AVX2 path (bfloat16 rows widened in registers or per chunk)
 def test_paged_attention(cache_dtype: torch.dtype, block_size: int, wide: bool, dim: int) -> None:
     q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(cache_dtype, block_size, seed=block_size,
                                                           extra_decodes=_many_decodes() if wide else 0, dim=dim)
-    ref = reference_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, qsl, block_size)
+    ref = reference_paged_attention(q.double(), _oracle_cache(kc), _oracle_cache(vc), tables, seq_lens, qsl, block_size)
     out = torch.full_like(q, float("nan"))
     K.paged_attention(out, q, kc, vc, tables, seq_lens, qsl, block_size, scale)
-    # fp32 scores/softmax/accumulation (polynomial exp, ~2 ulp) over <= 100 keys; outputs are convex
-    # combinations of N(0,1) values, so absolute errors stay ~1e-6.
-    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=_atol(cache_dtype, dim))
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("heads,kv_heads", [(4, 4), (4, 2), (8, 2), (10, 2)])
 def test_paged_attention_head_groups(cache_dtype: torch.dtype, heads: int, kv_heads: int) -> None:
     """Rows at D = 64 (a query's heads of a kv head scored and accumulated up to three at a time; on AVX-512,
@@ -335,13 +350,13 @@ def test_paged_attention_head_groups(cache_dtype: torch.dtype, heads: int, kv_he
     q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(cache_dtype, 16, seed=heads + kv_heads,
                                                           extra_decodes=_many_decodes() + 16, dim=64, heads=heads,
                                                           kv_heads=kv_heads)
-    ref = reference_paged_attention(q.double(), kc.double(), vc.double(), tables, seq_lens, qsl, 16)
+    ref = reference_paged_attention(q.double(), _oracle_cache(kc), _oracle_cache(vc), tables, seq_lens, qsl, 16)
     out = torch.full_like(q, float("nan"))
     K.paged_attention(out, q, kc, vc, tables, seq_lens, qsl, 16, scale)
-    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=2e-5)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-4, atol=_atol(cache_dtype, 64))
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 def test_paged_attention_rows_do_not_depend_on_the_batch(cache_dtype: torch.dtype) -> None:
     """Each decode row of a wide batch (one work item over all kv heads per request) equals the same row attended
     alone (one work item per kv head), bit for bit."""
@@ -357,7 +372,7 @@ def test_paged_attention_rows_do_not_depend_on_the_batch(cache_dtype: torch.dtyp
         assert torch.equal(alone, together[row]), f"request {r}"
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("start", [0, 45])
 def test_paged_attention_prefill_rows_equal_decode_rows(cache_dtype: torch.dtype, start: int) -> None:
     """Each query of a prefill chunk (its item's key chunks transposed once for all its rows, on AVX2) equals the same
@@ -368,8 +383,7 @@ def test_paged_attention_prefill_rows_equal_decode_rows(cache_dtype: torch.dtype
     seq = start + q_len
     blocks = -(-seq // bs)
     table = torch.randperm(blocks + 3, generator=g)[:blocks].to(torch.int32).view(1, blocks)
-    kc = torch.randn((blocks + 3) * bs, kv_heads, dim, generator=g).to(cache_dtype)
-    vc = torch.randn((blocks + 3) * bs, kv_heads, dim, generator=g).to(cache_dtype)
+    kc, vc = (as_cache(torch.randn((blocks + 3) * bs, kv_heads, dim, generator=g), cache_dtype) for _ in range(2))
     q = torch.randn(q_len, heads, dim, generator=g)
     chunk = torch.empty_like(q)
     K.paged_attention(chunk, q, kc, vc, table, torch.tensor([seq], dtype=torch.int32),
@@ -471,6 +485,41 @@ def test_paged_attention_dot_prefill_long_prompts(heads: int) -> None:
     assert not torch.equal(ours, plain)  # the dot products ran
 
 
+def test_paged_attention_dot_prefill_over_an_int8_cache() -> None:
+    """attend_dot over an int8 cache: each chunk's rows widened, scaled and rounded to bfloat16 first, then the
+    bfloat16 cache's arithmetic; against the float64 reference on the same int8 rows within that rounding."""
+    if not K.bf16_gemm_available():
+        pytest.skip("the kernels were built without AVX512-BF16")
+    q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(torch.int8, 16, seed=9, extra_decodes=_many_decodes(), dim=64)
+    ref = reference_paged_attention(q.double(), kc, vc, tables, seq_lens, qsl, 16)
+    plain, ours = torch.empty_like(q), torch.full_like(q, float("nan"))
+    K.paged_attention(plain, q, kc, vc, tables, seq_lens, qsl, 16, scale)
+    K.paged_attention(ours, q, kc, vc, tables, seq_lens, qsl, 16, scale, dot_min_queries=9)
+    for r, q_len in enumerate((qsl[1:] - qsl[:-1]).tolist()):
+        rows = slice(int(qsl[r]), int(qsl[r + 1]))
+        torch.testing.assert_close(ours[rows].double(), ref[rows], rtol=0, atol=5e-2)
+        assert torch.equal(ours[rows], plain[rows]) == (q_len < 9), f"request {r}"
+
+
+def test_int8_cache_rows_round_like_torch() -> None:
+    """The kernels' int8 rows (rotary_cache_'s v rows, copied as they are) are quantize_int8_rows' bytes: ties to
+    even, a zero row all zeros with scale 0, and the row's largest value at +-127."""
+    heads, kv_heads, d = 1, 1, 64
+    g = torch.Generator().manual_seed(4)
+    rows = torch.randn(5, d, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 1.0])[:, None]
+    rows[4, :] = torch.arange(d) - 31.5  # row 4's largest value is 127, so s = 1 and x / s = x: halves go to even
+    rows[4, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 127.0, -127.0])
+    qkv = torch.zeros(5, (heads + 2 * kv_heads) * d)
+    qkv[:, (heads + kv_heads) * d :] = rows
+    rotary = RotaryEmbedding(_RopeConfig, 16)
+    caches = [torch.zeros(8, kv_heads, d + INT8_ROW_EXTRA, dtype=torch.int8) for _ in range(2)]
+    K.rotary_cache_(qkv, torch.zeros(5, dtype=torch.long), rotary.cos, rotary.sin, *caches, torch.arange(5), heads,
+                    kv_heads)  # fmt: skip
+    want = quantize_int8_rows(rows)
+    assert torch.equal(caches[1][:5, 0], want)
+    assert want[4, :6].tolist() == [0, 2, 2, 0, -2, -2] and want[3].abs().sum() == 0
+
+
 def test_paged_attention_dot_prefill_stays_off_where_it_cannot_run() -> None:
     """A float32 cache, or a head dim other than 64, keeps the float32 products whatever dot_min_queries says."""
     for cache_dtype, dim in ((torch.float32, 64), (torch.bfloat16, 40)):
@@ -540,10 +589,12 @@ class _RopeConfig:
 
 @pytest.mark.parametrize("rows", [1, 5, 64])
 @pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
-                                               (torch.float32, torch.bfloat16)])  # fmt: skip
+                                               (torch.float32, torch.bfloat16), (torch.float32, torch.int8),
+                                               (torch.bfloat16, torch.int8)])  # fmt: skip
 def test_fused_rotary_cache(rows: int, dtype: torch.dtype, cache_dtype: torch.dtype) -> None:
     """Rotary + cache write against eager torch; a bfloat16 cache under float32 qkv (--kv-cache-dtype) gets each
-    value rounded to nearest even, as torch's .to(torch.bfloat16) rounds it."""
+    value rounded to nearest even, as torch's .to(torch.bfloat16) rounds it; an int8 cache's v rows are
+    quantize_int8_rows' bytes exactly (k: rotated within 1e-5 first, so within one int8 step)."""
     heads, kv_heads, d = 9, 3, 64
     g = torch.Generator().manual_seed(rows)
     rotary = RotaryEmbedding(_RopeConfig, 4096)
@@ -552,7 +603,8 @@ def test_fused_rotary_cache(rows: int, dtype: torch.dtype, cache_dtype: torch.dt
     qkv = torch.randn(rows, (heads + 2 * kv_heads) * d, generator=g).to(dtype)
     cos, sin = rotary(positions, dtype)
     ref_qkv, fast_qkv = qkv.clone(), qkv.clone()
-    caches = [torch.full((256, kv_heads, d), 7.0, dtype=cache_dtype) for _ in range(4)]
+    width = d + INT8_ROW_EXTRA if cache_dtype == torch.int8 else d
+    caches = [torch.full((256, kv_heads, width), 7, dtype=cache_dtype) for _ in range(4)]
     EAGER.rotary_cache_(ref_qkv, Rope(positions, rotary.cos, rotary.sin, cos, sin), caches[0], caches[1], slots,
                         heads, kv_heads)  # fmt: skip
     FUSED.rotary_cache_(fast_qkv, Rope(positions, rotary.cos, rotary.sin, None, None), caches[2], caches[3], slots,
@@ -560,6 +612,9 @@ def test_fused_rotary_cache(rows: int, dtype: torch.dtype, cache_dtype: torch.dt
     assert_matches(fast_qkv, ref_qkv)
     if dtype == cache_dtype:
         assert_matches(caches[2], caches[0])
+    elif cache_dtype == torch.int8:  # one step of a row's int8 values (a 127th of its largest), scales within 1e-5
+        torch.testing.assert_close(dequantize_int8_rows(caches[2]), dequantize_int8_rows(caches[0]), rtol=1e-5,
+                                   atol=dequantize_int8_rows(caches[0]).abs().max().item() / 127 * 1.01)
     else:  # k rotated within 1e-5 of eager torch, then rounded: at most one bfloat16 step apart
         torch.testing.assert_close(caches[2].float(), caches[0].float(), rtol=2**-7, atol=1e-5)
     assert torch.equal(caches[3], caches[1])  # v is copied (or rounded), untouched

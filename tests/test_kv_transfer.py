@@ -121,7 +121,7 @@ def test_start_load_blocked_when_the_pool_is_short():
 def _engine_config(model_dir, role: str, transport: str = "auto", **cache) -> EngineConfig:
     return EngineConfig(
         model=str(model_dir), dtype="float32", linear_backend="torch", attention_backend="torch", num_threads=1,
-        cache=CacheConfig(block_size=cache.get("block_size", 16), num_blocks=256),
+        cache=CacheConfig(block_size=cache.get("block_size", 16), num_blocks=256, cache_dtype=cache.get("cache_dtype", "auto")),
         scheduler=SchedulerConfig(max_num_batched_tokens=32, max_model_len=1024),
         kv_transfer=KVTransferConfig(role=role, lease_timeout_s=30.0, transfer_timeout_s=5.0, transport=transport),
     )
@@ -164,6 +164,13 @@ def server_model(tmp_path_factory):
 @pytest.fixture(scope="module")
 def engines(server_model):
     llms = _start_engines(server_model, (*TRIO, ("decode32", "decode", {"block_size": 32})))
+    yield llms
+    _stop_engines(llms)
+
+
+@pytest.fixture(scope="module")
+def int8_engines(server_model):
+    llms = _start_engines(server_model, tuple((name, role, {"cache_dtype": "int8"}) for name, role, _ in TRIO))
     yield llms
     _stop_engines(llms)
 
@@ -226,6 +233,13 @@ def _check_parity(engines, length: int, max_token_id: int) -> None:
 @pytest.mark.parametrize("length", [1, 15, 16, 17, 300])
 def test_disaggregated_engines_equal_colocated(engines, length):
     _check_parity(engines, length, 390)
+
+
+@pytest.mark.parametrize("length", [17, 300])
+def test_disaggregated_int8_cache_equals_colocated(int8_engines, length):
+    """An int8 KV cache's blocks travel with their rows' scales (``[.., D + 4]`` rows): the same tokens and logprobs."""
+    assert int8_engines["decode"].engine.model_runner.kv_caches[0][0].dtype == torch.int8
+    _check_parity(int8_engines, length, 390)
 
 
 @pytest.mark.slow

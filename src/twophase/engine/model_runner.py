@@ -18,7 +18,7 @@ import torch
 from twophase.config import CacheConfig, ModelConfig
 from twophase.engine import hardware
 from twophase.engine.input_batch import InputBatch, build_input_batch
-from twophase.model.attention import make_attention_backend
+from twophase.model.attention import cache_row_len, make_attention_backend
 from twophase.model.ops.huge_pages import Prefaulter, arena
 from twophase.model.ops.linear import BLOCK_QUANTIZATIONS
 from twophase.model.registry import build_model
@@ -30,8 +30,8 @@ log = logging.getLogger(__name__)
 
 def kv_bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
     """Bytes of K and V for one block across all layers."""
-    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * config.head_dim
-    return per_token * block_size * torch.empty((), dtype=dtype).element_size()
+    per_token = 2 * config.num_hidden_layers * config.num_key_value_heads * cache_row_len(config.head_dim, dtype)
+    return per_token * block_size * dtype.itemsize
 
 
 def rounds_products(gemm_dtype: torch.dtype | None, quantization: str) -> bool:
@@ -48,10 +48,12 @@ def resolve_cache_dtype(name: str, model_dtype: torch.dtype, gemm_dtype: torch.d
     kernels round every activation row to int8 blocks). bfloat16 under a float32 model stores half the bytes (K and V
     rounded to nearest even when written, read back as float32 by attention)."""
     auto = torch.bfloat16 if rounds_products(gemm_dtype, quantization) and model_dtype == torch.float32 else model_dtype
-    dtypes = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16}
+    dtypes = {"auto": auto, "float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
     if name not in dtypes:
-        raise ValueError(f"unknown KV cache dtype {name!r}; choose auto, float32 or bfloat16")
+        raise ValueError(f"unknown KV cache dtype {name!r}; choose auto, float32, bfloat16 or int8")
     dtype = dtypes[name]
+    if dtype == torch.int8:  # any model dtype: K and V quantized a row at a time (attention.quantize_int8_rows)
+        return dtype
     if dtype != model_dtype and not (dtype == torch.bfloat16 and model_dtype == torch.float32):
         raise ValueError(f"--kv-cache-dtype {name} needs a float32 model or the model's own dtype "
                          f"({str(model_dtype).removeprefix('torch.')})")  # fmt: skip
@@ -154,7 +156,7 @@ class ModelRunner:
         float32 products against 5.9-6.5 through SDPA; 8 x 256 tokens 9.1-11.6 against 12.2-15.2 (on 2 AMX Xeon
         cores SDPA took 1.8-2.5x less than the kernel from 64 queries on). The dot products took 1.9 / 4.5 ms there
         (``attention.DOT_MIN_QUERIES``)."""
-        if not (rounds_products(self.gemm_dtype, self.quantization) and self.cache_dtype == torch.bfloat16):
+        if not (rounds_products(self.gemm_dtype, self.quantization) and self.cache_dtype in (torch.bfloat16, torch.int8)):
             return "float32"
         if hardware.cpu_has_amx():
             return "sdpa"
@@ -204,7 +206,8 @@ class ModelRunner:
         return max(1, budget // per_block)
 
     def _allocate_kv_caches(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        shape = (self.num_blocks * self.block_size, self.local_config.num_key_value_heads, self.local_config.head_dim)
+        shape = (self.num_blocks * self.block_size, self.local_config.num_key_value_heads,
+                 cache_row_len(self.local_config.head_dim, self.cache_dtype))  # int8: each row's scale after it
         # never zeroed (no start-up time, pages touched only when used): no backend reads a slot before it is written.
         # On a CPU in huge-page memory: decode attention reads blocks of slots at scattered addresses.
         def empty() -> torch.Tensor:

@@ -115,7 +115,8 @@ def visible_gpus() -> tuple[str, ...]:
 
 # ---- the JSON form of torch's rebuild_cuda_tensor arguments -------------------------------------------------
 _STORAGE_CLASSES = {"TypedStorage": torch.storage.TypedStorage, "UntypedStorage": torch.UntypedStorage}
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64}
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16, "float64": torch.float64,
+           "int8": torch.int8}
 
 
 def ipc_args_to_json(args: tuple) -> dict[str, Any]:

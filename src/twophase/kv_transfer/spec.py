@@ -8,6 +8,10 @@ import struct
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
+import torch
+
+from twophase.model.attention import cache_row_len
+
 ROLES = ("both", "prefill", "decode")
 
 
@@ -53,8 +57,8 @@ class KVSpec:
     @property
     def bytes_per_block(self) -> int:
         """K and V bytes of one block over all layers."""
-        itemsize = {"float32": 4, "float64": 8}.get(self.dtype, 2)
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * itemsize
+        row = cache_row_len(self.head_dim, getattr(torch, self.dtype)) * getattr(torch, self.dtype).itemsize
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * row
 
 
 def model_digest(model_config: Any) -> str:

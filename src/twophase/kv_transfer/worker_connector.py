@@ -38,9 +38,10 @@ class WorkerConnector:
         return self.kv_caches[0][0].dtype
 
     def payload_shape(self, num_blocks: int) -> tuple[int, ...]:
-        """Shape of the tensor holding ``num_blocks`` blocks: [L, 2, n*bs, H, D]."""
+        """Shape of the tensor holding ``num_blocks`` blocks: [L, 2, n*bs, H, D] (D + 4 in an int8 cache: its rows'
+        scales travel with them)."""
         s = self.spec
-        return (s.num_layers, 2, num_blocks * s.block_size, s.num_kv_heads, s.head_dim)
+        return (s.num_layers, 2, num_blocks * s.block_size, s.num_kv_heads, self.kv_caches[0][0].shape[-1])
 
     @torch.no_grad()
     def gather(self, block_ids: list[int]) -> torch.Tensor:

@@ -67,10 +67,41 @@ class AttentionBackend(Protocol):
         ...
 
 
+INT8_ROW_EXTRA = 4  # an int8 cache row: D int8 values, then the row's float32 scale (its 4 bytes)
+
+
+def cache_row_len(head_dim: int, dtype: torch.dtype) -> int:
+    """Elements of one cache row (a token's kv head): head_dim, and an int8 cache's scale bytes after them."""
+    return head_dim + INT8_ROW_EXTRA if dtype == torch.int8 else head_dim
+
+
+def quantize_int8_rows(x: torch.Tensor) -> torch.Tensor:
+    """int8 cache rows [..., D + 4] of x [..., D]: q = x / s rounded to nearest even, s = max |x| / 127 a row (q all 0
+    where s is 0), in float32, then s's bytes; the kernels' quantize_int8_row writes the same bytes. Per row (a token's
+    kv head), K and V keep 7 bits of their largest value: SmolLM2's teacher-forced top-1 agreement with float32 was
+    0.996 with it and everything else float32."""
+    x = x.float()
+    scale = x.abs().amax(-1, keepdim=True) / 127  # [..., 1]
+    q = torch.where(scale > 0, x / scale, torch.zeros_like(x)).round().clamp(-127, 127).to(torch.int8)
+    return torch.cat([q, scale.view(torch.int8)], dim=-1)  # the scale's float32 bytes as 4 int8
+
+
+def dequantize_int8_rows(rows: torch.Tensor) -> torch.Tensor:
+    """float32 [..., D] of int8 cache rows [..., D + 4] (quantize_int8_rows)."""
+    scale = rows[..., -INT8_ROW_EXTRA:].contiguous().view(torch.float32)  # [..., 1]
+    return rows[..., :-INT8_ROW_EXTRA].float() * scale
+
+
+def cache_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """The K or V rows [*slots.shape, KVH, D] at ``slots``, as float32 where the cache is int8, else as stored."""
+    rows = cache[slots]
+    return dequantize_int8_rows(rows) if cache.dtype == torch.int8 else rows
+
+
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor) -> None:
-    """Store this step's K/V [T, KVH, D] into their cache slots [T]."""
-    k_cache.index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.index_copy_(0, slots, v.to(v_cache.dtype))
+    """Store this step's K/V [T, KVH, D] into their cache slots [T] (rounded, or quantized: an int8 cache)."""
+    for x, cache in ((k, k_cache), (v, v_cache)):
+        cache.index_copy_(0, slots, quantize_int8_rows(x) if cache.dtype == torch.int8 else x.to(cache.dtype))
 
 
 class TorchPagedAttention:
@@ -125,8 +156,8 @@ class TorchPagedAttention:
         num_q, seq_len = q.shape[0], chunk.mask.shape[1]
         kv_shape = (self.num_kv_heads, self.num_groups, seq_len, q.shape[-1])
         # GQA without copying K/V: each KV head is viewed once per query head of its group
-        keys = k_cache[chunk.context_slots].transpose(0, 1)[:, None].expand(kv_shape)  # [kvh, groups, seq_len, D]
-        values = v_cache[chunk.context_slots].transpose(0, 1)[:, None].expand(kv_shape)
+        keys = cache_rows(k_cache, chunk.context_slots).transpose(0, 1)[:, None].expand(kv_shape)  # [kvh, groups, seq_len, D]
+        values = cache_rows(v_cache, chunk.context_slots).transpose(0, 1)[:, None].expand(kv_shape)
         query = q.view(num_q, self.num_kv_heads, self.num_groups, -1).permute(1, 2, 0, 3)  # [kvh, groups, num_q, D]
         out = F.scaled_dot_product_attention(query, keys.to(q.dtype), values.to(q.dtype), attn_mask=chunk.mask, scale=self.scale)
         return out.permute(2, 0, 1, 3).reshape(num_q, self.num_heads, -1)  # [num_q, heads, D]
@@ -137,8 +168,8 @@ class TorchPagedAttention:
         # [num_decode, kvh, groups, D]: each KV head's query heads act as its query rows
         query = q[token_idx].view(num_decode, self.num_kv_heads, self.num_groups, -1)
         slots = meta.decode_context_slots  # [num_decode, max_len]
-        keys = k_cache[slots].permute(0, 2, 1, 3).to(q.dtype)  # [num_decode, kvh, max_len, D]
-        values = v_cache[slots].permute(0, 2, 1, 3).to(q.dtype)
+        keys = cache_rows(k_cache, slots).permute(0, 2, 1, 3).to(q.dtype)  # [num_decode, kvh, max_len, D]
+        values = cache_rows(v_cache, slots).permute(0, 2, 1, 3).to(q.dtype)
         res = F.scaled_dot_product_attention(query, keys, values, attn_mask=meta.decode_mask, scale=self.scale)
         out[token_idx] = res.reshape(num_decode, self.num_heads, -1)
 

@@ -86,8 +86,8 @@ class LayerOps:
         kv_heads: int,
     ) -> None:
         """Rotate the q and k heads of ``qkv`` in place, then store its k and v rows at their cache slots."""
-        head_dim = k_cache.shape[-1]
-        if self.uses_kernels(qkv) and k_cache.dtype in (qkv.dtype, torch.bfloat16):
+        head_dim = qkv.shape[1] // (heads + 2 * kv_heads)
+        if self.uses_kernels(qkv) and k_cache.dtype in (qkv.dtype, torch.bfloat16, torch.int8):
             self.kernels.rotary_cache_(qkv, rope.positions, rope.cos_table, rope.sin_table, k_cache, v_cache, slots,
                                        heads, kv_heads)  # fmt: skip
             return

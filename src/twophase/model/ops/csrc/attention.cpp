@@ -36,6 +36,7 @@ struct WorkItem {
 
 struct Args {
   int64_t H, KVH, D, groups, block_size, max_blocks;
+  int64_t row;  // a cache row's elements: D, or D + kInt8RowExtra in an int8 cache (its scale after the values)
   int64_t q_s0, o_s0, k_s0, k_s1, v_s0, v_s1;  // element strides: q token, out token; cache slot and head
   float scale;
   const int32_t *block_tables, *seq_lens, *qsl;
@@ -52,10 +53,15 @@ struct Scratch {
   std::vector<int32_t> qp, pp;
   std::vector<float> lv;
   std::vector<uint16_t> kpanel, vpanel;
-  Scratch(int64_t rows, int64_t D, bool dot)  // dot: with attend_dot's buffers (a call that has such items)
+  std::vector<uint16_t> kdeq, vdeq;  // attend_dot over an int8 cache: a chunk's K / V rows as bfloat16
+  std::vector<float> ks;  // an int8 cache's K scales of a chunk (attend_rows_paired)
+  std::vector<int8_t> q8;  // an int8 cache's items on AVX512-VNNI: each row of q as an int8 row (64 + its scale)
+  Scratch(int64_t rows, int64_t D, bool dot, bool int8)  // dot: with attend_dot's buffers (a call that has such items)
       : q(rows * D), acc(rows * D), s(rows * KEY_CHUNK), m(rows), l(rows), kbuf(KEY_CHUNK * D),
         vbuf(KEY_CHUNK * D), row(D), kt(KEY_CHUNK * D), pos(rows), qp(dot ? rows * D / 2 : 0),
-        pp(dot ? rows * KEY_CHUNK / 2 : 0), lv(dot ? rows * 16 : 0), kpanel(dot ? KEY_CHUNK * D : 0), vpanel(dot ? KEY_CHUNK * D : 0) {}
+        pp(dot ? rows * KEY_CHUNK / 2 : 0), lv(dot ? rows * 16 : 0), kpanel(dot ? KEY_CHUNK * D : 0), vpanel(dot ? KEY_CHUNK * D : 0),
+        kdeq(dot && int8 ? KEY_CHUNK * D : 0), vdeq(dot && int8 ? KEY_CHUNK * D : 0), ks(KEY_CHUNK),
+        q8(int8 ? rows * (D + kInt8RowExtra) : 0) {}
 };
 
 // The next key chunk's K / V rows of the kv head being worked on (k[j] + k_off, v[j] + v_off for j < n; n = 0:
@@ -64,16 +70,18 @@ struct Scratch {
 // V a kv head), they stalled it. Decode attention over 32 requests x 320 keys x 30 layers, bfloat16, 2 Zen 4 cores:
 // 12.9-14.3 ms against 15.4-17.9 at once (11.4 against 14.4 with every request's blocks in order), 35.9 without
 // prefetching. Into L1 instead: 16.7-18.9; every kv head's rows at once during the first one's keys: 15.7-16.2.
+template <class T>
 struct NextRows {
-  const uint16_t* const* k = nullptr;
-  const uint16_t* const* v = nullptr;
+  const T* const* k = nullptr;
+  const T* const* v = nullptr;
   int64_t n = 0, k_off = 0, v_off = 0;
 };
 
-// Row j of rows (+ off) into L2 where j < n: a D == 64 bfloat16 row, two lines. Always inlined: as a plain inline
-// helper GCC 12 compiled the prefetches to nothing (no prefetcht1 in the object); check with objdump -d.
-__attribute__((always_inline)) inline void prefetch_row_l2(const uint16_t* const* rows, int64_t n, int64_t off,
-                                                           int64_t j) {
+// Row j of rows (+ off) into L2 where j < n: a D == 64 bfloat16 row, two lines (an int8 row's 68 bytes start in the
+// first of them). Always inlined: as a plain inline helper GCC 12 compiled the prefetches to nothing (no prefetcht1 in
+// the object); check with objdump -d.
+template <class T>
+__attribute__((always_inline)) inline void prefetch_row_l2(const T* const* rows, int64_t n, int64_t off, int64_t j) {
 #ifdef __AVX2__
   if (j < n) {
     const char* row = reinterpret_cast<const char*>(rows[j] + off);
@@ -124,6 +132,11 @@ inline void pull_slots(const T* const* K, const T* const* V, int64_t n, int64_t 
 // The n bfloat16 rows as float32 rows in buf (D apart).
 inline void widen_rows(const uint16_t* const* rows, int64_t n, int64_t D, float* buf, const float** out) {
   for (int64_t j = 0; j < n; ++j) convert(buf + j * D, rows[j], D), out[j] = buf + j * D;
+}
+
+// The n int8 rows (values and scale) as float32 rows in buf (D apart).
+inline void widen_rows(const int8_t* const* rows, int64_t n, int64_t D, float* buf, const float** out) {
+  for (int64_t j = 0; j < n; ++j) dequantize_int8_row(buf + j * D, rows[j], D), out[j] = buf + j * D;
 }
 
 // A row's n values from d0 as float32: the row itself, or its bfloat16 values widened into buf.
@@ -383,6 +396,24 @@ inline void merge_pairs(const __m512 w[4], float* x) {
   }
 }
 
+// An int8 cache row's 64 values as float32 in natural order (w[i] = d 16i .. 16i + 15), unscaled: two instructions
+// a vector where widen_pairs takes one, on half the bytes. Queries and accumulators over an int8 cache stay in natural
+// order (row_order / natural_order below).
+inline void widen_pairs(const int8_t* row, __m512 w[4]) {
+  for (int i = 0; i < 4; ++i)
+    w[i] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * i))));
+}
+
+// A float32 row of 64 in natural order -> the order widen_pairs gives T's rows, and back.
+inline void row_order(const float* x, __m512 w[4], const uint16_t*) { split_pairs(x, w); }
+inline void row_order(const float* x, __m512 w[4], const int8_t*) {
+  for (int i = 0; i < 4; ++i) w[i] = _mm512_loadu_ps(x + 16 * i);
+}
+inline void natural_order(const __m512 w[4], float* x, const uint16_t*) { merge_pairs(w, x); }
+inline void natural_order(const __m512 w[4], float* x, const int8_t*) {
+  for (int i = 0; i < 4; ++i) _mm512_storeu_ps(x + 16 * i, w[i]);
+}
+
 // Two 16-lane vectors -> one: the first four tree levels of sixteen keys' sums, each a level of one shuffle pair and
 // an add. Every key's 16 partial sums meet in the same order wherever the key falls: ((q0 + q2) + (q1 + q3)) over the
 // vector's quarters, then lanes (0 + 2) + (1 + 3).
@@ -400,48 +431,122 @@ inline __m512 fold_pairs(__m512 a, __m512 b) {  // keys 0..7, keys 8..15 -> lane
   return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
 }
 
-// 16 partial-sum vectors of R rows for keys K[j0 + t] (t < 16; past n the last key again: the same arithmetic), q in
-// the even / odd order (rows 64 apart), reduced to one vector of 16 scores a row in key order.
-template <int R>
-inline void scores16_paired(const float* q, const uint16_t* const* K, int64_t j0, int64_t n, __m512 out[R],
-                            const uint16_t* const* next, int64_t next_n, int64_t next_off) {
-  __m512 half[R][2];
+// The integer versions of the folds (exact sums: any order gives the same), for scores16_int8.
+inline __m512i fold_quarters(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x44), _mm512_shuffle_i32x4(a, b, 0xee));
+}
+inline __m512i fold_halves(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_shuffle_i32x4(a, b, 0x88), _mm512_shuffle_i32x4(a, b, 0xdd));
+}
+inline __m512i fold_lanes(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi32(a, b), _mm512_unpackhi_epi32(a, b));
+}
+inline __m512i fold_pairs(__m512i a, __m512i b) {
+  return _mm512_add_epi32(_mm512_unpacklo_epi64(a, b), _mm512_unpackhi_epi64(a, b));
+}
+inline __m512 in_key_order(__m512i order, __m512 x) { return _mm512_permutexvar_ps(order, x); }
+inline __m512i in_key_order(__m512i order, __m512i x) { return _mm512_permutexvar_epi32(order, x); }
+
+// The 16 keys j0 .. j0 + 15 (past n the last key again: the same arithmetic) of R rows: part(k, parts) gives key
+// row k's partial-sum vector of each row (16 lanes of V, float or int32), and the fold tree reduces 16 of them to one
+// vector of 16 sums a row, in key order (next: the rows prefetched one a key, NextRows).
+template <int R, class V, class T, class Part>
+inline void fold16(const T* const* K, int64_t j0, int64_t n, V out[R], const T* const* next, int64_t next_n,
+                   int64_t next_off, const Part& part) {
+  V half[R][2];
   for (int h = 0; h < 2; ++h) {
-    __m512 quad[R][2];
+    V quad[R][2];
     for (int e = 0; e < 2; ++e) {
-      __m512 pair[R][2];
+      V pair[R][2];
       for (int c = 0; c < 2; ++c) {
-        __m512 part[R][2];
+        V parts[2][R];
         for (int t = 0; t < 2; ++t) {
           const int64_t j = j0 + 8 * h + 4 * e + 2 * c + t;
           prefetch_row_l2(next, next_n, next_off, j);
-          __m512 k[4];
-          widen_pairs(K[std::min<int64_t>(j, n - 1)], k);
-          for (int r = 0; r < R; ++r) {
-            __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + r * 64), k[0]);
-            for (int d = 1; d < 4; ++d) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * 64 + 16 * d), k[d], acc);
-            part[r][t] = acc;
-          }
+          part(K[std::min<int64_t>(j, n - 1)], parts[t]);
         }
-        for (int r = 0; r < R; ++r) pair[r][c] = fold_quarters(part[r][0], part[r][1]);
+        for (int r = 0; r < R; ++r) pair[r][c] = fold_quarters(parts[0][r], parts[1][r]);
       }
       for (int r = 0; r < R; ++r) quad[r][e] = fold_halves(pair[r][0], pair[r][1]);
     }
     for (int r = 0; r < R; ++r) half[r][h] = fold_lanes(quad[r][0], quad[r][1]);
   }
   const __m512i order = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);  // key k: lane 4(k%4)+k/4
-  for (int r = 0; r < R; ++r) out[r] = _mm512_permutexvar_ps(order, fold_pairs(half[r][0], half[r][1]));
+  for (int r = 0; r < R; ++r) out[r] = in_key_order(order, fold_pairs(half[r][0], half[r][1]));
 }
 
-// scores_d64 for bfloat16 keys on AVX-512: s[r][j] = q[r] . K[j] (q rows 64 apart in natural order, s rows KEY_CHUNK
-// apart, 16 keys a store); mx[r] = max_j (the padding keys repeat the last one, so they cannot raise it).
+// 16 keys' scores of R rows (fold16): q in K's row order (rows 64 apart), each key widened and multiplied in float32.
+template <int R, class T>
+inline void scores16_paired(const float* q, const T* const* K, int64_t j0, int64_t n, __m512 out[R],
+                            const T* const* next, int64_t next_n, int64_t next_off) {
+  fold16<R>(K, j0, n, out, next, next_n, next_off, [&](const T* row, __m512 parts[R]) {
+    __m512 k[4];
+    widen_pairs(row, k);
+    for (int r = 0; r < R; ++r) {
+      __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q + r * 64), k[0]);
+      for (int d = 1; d < 4; ++d) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + r * 64 + 16 * d), k[d], acc);
+      parts[r] = acc;
+    }
+  });
+}
+
+#ifdef __AVX512VNNI__
+#define TP_HAVE_INT8_QK 1
+// Over an int8 cache with AVX512-VNNI, q . k for 16 keys in integers (fold16): each query row rounded to int8 like a
+// cache row (q8, its own scale), each key row's 64 values plus 128 as vpdpbusd's unsigned operand (one instruction a
+// key and row, where the float path widens the key and runs four FMAs), the 128 * sum(q8) that adds taken off after
+// the tree. out[r] lane t: the integer sum of key j0 + t.
 template <int R>
-inline void scores_paired(const float* q, const uint16_t* const* K, int64_t n, float* s, float* mx,
-                          const uint16_t* const* next, int64_t next_n, int64_t next_off) {
+inline void scores16_int8(const __m512i* q8, const int8_t* const* K, int64_t j0, int64_t n, __m512i out[R],
+                          const int8_t* const* next, int64_t next_n, int64_t next_off) {
+  const __m512i bias = _mm512_set1_epi8(static_cast<char>(0x80));
+  fold16<R>(K, j0, n, out, next, next_n, next_off, [&](const int8_t* row, __m512i parts[R]) {
+    const __m512i k = _mm512_xor_si512(_mm512_loadu_si512(row), bias);
+    for (int r = 0; r < R; ++r) parts[r] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), k, q8[r]);
+  });
+}
+
+// scores_paired over an int8 cache on AVX512-VNNI: s[r][j] = s_q[r] * ks[j] * (q8[r] . K[j]).
+// qrows: the rows' q as int8 rows (quantize_int8_row, 64 + kInt8RowExtra apart).
+template <int R>
+inline void scores_int8(const int8_t* qrows, const int8_t* const* K, int64_t n, float* s, float* mx,
+                        const int8_t* const* next, int64_t next_n, int64_t next_off, const float* ks) {
+  __m512i q8[R];
+  __m512i offset[R];  // 128 * sum(q8): what the keys' +128 added
+  float qs[R];
+  for (int r = 0; r < R; ++r) {
+    const int8_t* row = qrows + r * (64 + kInt8RowExtra);
+    q8[r] = _mm512_loadu_si512(row);
+    qs[r] = int8_row_scale(row, 64);
+    const __m512i sum = _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), q8[r]);
+    offset[r] = _mm512_set1_epi32(128 * _mm512_reduce_add_epi32(sum));
+  }
+  __m512 m[R];
+  for (int r = 0; r < R; ++r) m[r] = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    __m512i dots[R];
+    scores16_int8<R>(q8, K, j0, n, dots, next, next_n, next_off);
+    const __m512 scale = _mm512_loadu_ps(ks + j0);
+    for (int r = 0; r < R; ++r) {
+      const __m512 sc = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(qs[r]), scale),
+                                      _mm512_cvtepi32_ps(_mm512_sub_epi32(dots[r], offset[r])));
+      _mm512_storeu_ps(s + r * KEY_CHUNK + j0, sc), m[r] = _mm512_max_ps(m[r], sc);
+    }
+  }
+  for (int r = 0; r < R; ++r) mx[r] = _mm512_reduce_max_ps(m[r]);
+}
+#endif
+
+// scores_d64 for bfloat16 or int8 keys on AVX-512: s[r][j] = q[r] . K[j] (q rows 64 apart in natural order, s rows
+// KEY_CHUNK apart, 16 keys a store), times the key's scale in an int8 cache (ks: KEY_CHUNK of them, the padding keys'
+// the last key's); mx[r] = max_j (the padding keys repeat the last one, so they cannot raise it).
+template <int R, class T>
+inline void scores_paired(const float* q, const T* const* K, int64_t n, float* s, float* mx,
+                          const T* const* next, int64_t next_n, int64_t next_off, const float* ks) {
   alignas(64) float qp[R * 64];
   for (int r = 0; r < R; ++r) {
     __m512 w[4];
-    split_pairs(q + r * 64, w);
+    row_order(q + r * 64, w, K[0]);
     for (int d = 0; d < 4; ++d) _mm512_store_ps(qp + r * 64 + 16 * d, w[d]);
   }
   __m512 m[R];
@@ -449,19 +554,23 @@ inline void scores_paired(const float* q, const uint16_t* const* K, int64_t n, f
   for (int64_t j0 = 0; j0 < n; j0 += 16) {
     __m512 sc[R];
     scores16_paired<R>(qp, K, j0, n, sc, next, next_n, next_off);
+    if constexpr (std::is_same_v<T, int8_t>) {
+      const __m512 scale = _mm512_loadu_ps(ks + j0);
+      for (int r = 0; r < R; ++r) sc[r] = _mm512_mul_ps(sc[r], scale);
+    }
     for (int r = 0; r < R; ++r) _mm512_storeu_ps(s + r * KEY_CHUNK + j0, sc[r]), m[r] = _mm512_max_ps(m[r], sc[r]);
   }
   for (int r = 0; r < R; ++r) mx[r] = _mm512_reduce_max_ps(m[r]);
 }
 
-// accumulate_d64 for bfloat16 values on AVX-512: acc[r] = acc[r] * alpha[r] + sum_j p[r][j] * V[j], acc held in the
-// even / odd order over the keys.
-template <int R>
-inline void accumulate_paired(float* acc, const float* alpha, const float* p, const uint16_t* const* V, int64_t n,
-                              const uint16_t* const* next, int64_t next_n, int64_t next_off) {
+// accumulate_d64 for bfloat16 or int8 values on AVX-512: acc[r] = acc[r] * alpha[r] + sum_j p[r][j] * V[j], acc held
+// in V's row order over the keys (an int8 cache's p carries the value rows' scales, see attend_rows_paired).
+template <int R, class T>
+inline void accumulate_paired(float* acc, const float* alpha, const float* p, const T* const* V, int64_t n,
+                              const T* const* next, int64_t next_n, int64_t next_off) {
   __m512 a[R][4];
   for (int r = 0; r < R; ++r) {
-    split_pairs(acc + r * 64, a[r]);
+    row_order(acc + r * 64, a[r], V[0]);
     for (int d = 0; d < 4; ++d) a[r][d] = _mm512_mul_ps(_mm512_set1_ps(alpha[r]), a[r][d]);
   }
   for (int64_t j = 0; j < n; ++j) {
@@ -473,7 +582,7 @@ inline void accumulate_paired(float* acc, const float* alpha, const float* p, co
       for (int d = 0; d < 4; ++d) a[r][d] = _mm512_fmadd_ps(pj, v[d], a[r][d]);
     }
   }
-  for (int r = 0; r < R; ++r) merge_pairs(a[r], acc + r * 64);
+  for (int r = 0; r < R; ++r) natural_order(a[r], acc + r * 64, V[0]);
 }
 #endif
 
@@ -491,28 +600,51 @@ inline void softmax_update(int64_t r0, int R, int64_t nv, const float* mx, float
   }
 }
 
-// Whether rows of a T cache with head dim D take attend_rows_paired (bfloat16 at D == 64, where AVX-512 is built).
+// Whether rows of a T cache with head dim D take attend_rows_paired (bfloat16 or int8 at D == 64, where AVX-512 is
+// built).
 template <class T>
 constexpr bool takes_paired(int64_t D) {
 #ifdef TP_HAVE_PAIRED_D64
-  return std::is_same_v<T, uint16_t> && D == 64;
+  return (std::is_same_v<T, uint16_t> || std::is_same_v<T, int8_t>) && D == 64;
 #else
   return (void)D, false;
 #endif
 }
 
 #ifdef TP_HAVE_PAIRED_D64
-// attend_rows for bfloat16 rows at D == 64 on AVX-512 (scores_paired, accumulate_paired).
-inline void attend_rows_paired(const uint16_t* const* K, const uint16_t* const* V, int64_t r0, int R, int64_t nv,
-                               Scratch& sc, const NextRows& next) {
+// x[j] *= f[j], j < n.
+inline void scale_by(float* x, const float* f, int64_t n) {
+  int64_t j = 0;
+  for (; j + 16 <= n; j += 16) _mm512_storeu_ps(x + j, _mm512_mul_ps(_mm512_loadu_ps(x + j), _mm512_loadu_ps(f + j)));
+  for (; j < n; ++j) x[j] *= f[j];
+}
+
+// attend_rows for bfloat16 or int8 rows at D == 64 on AVX-512 (scores_paired, accumulate_paired). Over an int8
+// cache the scores take each key's scale (sc.ks, filled per chunk), and after the softmax's step (whose sums count
+// the probabilities alone) each probability takes its value row's scale.
+template <class T>
+inline void attend_rows_paired(const T* const* K, const T* const* V, int64_t r0, int R, int64_t nv, Scratch& sc,
+                               const NextRows<T>& next) {
   float mx[GROUP_ROWS], alpha[GROUP_ROWS];
   float* s = sc.s.data() + r0 * KEY_CHUNK;
   float* q = sc.q.data() + r0 * 64;
   float* acc = sc.acc.data() + r0 * 64;
+  alignas(64) float vs[KEY_CHUNK];
+  if constexpr (std::is_same_v<T, int8_t>) {
+    for (int64_t j = 0; j < KEY_CHUNK; ++j) sc.ks[j] = int8_row_scale(K[std::min(j, nv - 1)], 64);
+    for (int64_t j = 0; j < nv; ++j) vs[j] = int8_row_scale(V[j], 64);
+  }
   auto rows = [&](auto r) {
     constexpr int RR = decltype(r)::value;
-    scores_paired<RR>(q, K, nv, s, mx, next.k, next.n, next.k_off);
+#ifdef TP_HAVE_INT8_QK
+    if constexpr (std::is_same_v<T, int8_t>)
+      scores_int8<RR>(sc.q8.data() + r0 * (64 + kInt8RowExtra), K, nv, s, mx, next.k, next.n, next.k_off, sc.ks.data());
+    else
+#endif
+    scores_paired<RR>(q, K, nv, s, mx, next.k, next.n, next.k_off, sc.ks.data());
     softmax_update(r0, RR, nv, mx, alpha, sc);
+    if constexpr (std::is_same_v<T, int8_t>)
+      for (int rr = 0; rr < RR; ++rr) scale_by(s + rr * KEY_CHUNK, vs, nv);
     accumulate_paired<RR>(acc, alpha, s, V, nv, next.v, next.n, next.v_off);
   };
   static_assert(GROUP_ROWS == 3, "one case a row count");
@@ -527,8 +659,8 @@ inline void attend_rows_paired(const uint16_t* const* K, const uint16_t* const* 
 // Rows r0 .. r0 + R - 1 (R <= GROUP_ROWS, one query's heads: the same nv keys) over keys p0 .. p0 + nv - 1: scores,
 // the online softmax update, and the values.
 template <class T>
-inline void attend_rows(const T* const* K, const T* const* V, int64_t r0, int R, int64_t nv, int64_t D, Scratch& sc,
-                        const NextRows& next = {}, const float* kt = nullptr) {
+inline void attend_rows_widened(const T* const* K, const T* const* V, int64_t r0, int R, int64_t nv, int64_t D,
+                                Scratch& sc, const NextRows<T>& next, const float* kt) {
   float mx[GROUP_ROWS], alpha[GROUP_ROWS];
   float* s = sc.s.data() + r0 * KEY_CHUNK;
   float* q = sc.q.data() + r0 * D;
@@ -565,6 +697,24 @@ inline void attend_rows(const T* const* K, const T* const* V, int64_t r0, int R,
   }
 #endif
   for (int r = 0; r < R; ++r) accumulate(acc + r * D, alpha[r], s + r * KEY_CHUNK, V, nv, D, sc.row.data());
+}
+
+// attend_rows_widened above, for float32 and bfloat16 rows; int8 rows reach here at D == 64 on AVX-512 only (the
+// attend loop widens them into float32 rows elsewhere).
+template <class T>
+inline void attend_rows(const T* const* K, const T* const* V, int64_t r0, int R, int64_t nv, int64_t D, Scratch& sc,
+                        const NextRows<T>& next = {}, const float* kt = nullptr) {
+  if constexpr (std::is_same_v<T, int8_t>) {
+#ifdef TP_HAVE_PAIRED_D64
+    (void)D, (void)kt;
+    attend_rows_paired(K, V, r0, R, nv, sc, next);
+#else
+    (void)K, (void)V, (void)r0, (void)R, (void)nv, (void)D, (void)sc, (void)next, (void)kt;
+    TORCH_CHECK(false, "attend_rows: int8 rows are widened first where AVX-512 is not built");
+#endif
+  } else {
+    attend_rows_widened(K, V, r0, R, nv, D, sc, next, kt);
+  }
 }
 
 // Where row rr of a work item comes from: rows come G to a query (the query's heads of one kv head), per_head
@@ -641,17 +791,25 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
   const int64_t start = a.seq_lens[w.req] - (a.qsl[w.req + 1] - a.qsl[w.req]);
   const int64_t per_head = (w.q1 - w.q0) * G;
   begin_item(a, w, q, sc);
+#ifdef TP_HAVE_INT8_QK
+  if constexpr (std::is_same_v<T, int8_t>) {  // scores_int8's queries, each row rounded to int8 once
+    if (takes_paired<T>(D))
+      for (int64_t rr = 0; rr < w.rows(G); ++rr)
+        quantize_int8_row(sc.q8.data() + rr * (64 + kInt8RowExtra), sc.q.data() + rr * 64, 64);
+  }
+#endif
   // bfloat16 rows are widened in registers where they are read; when more rows than one query's heads read them
   // (a prefill chunk), once per chunk into float32 buffers instead (each row read up to 48 times: 0.69x in
   // registers on a 512-token chunk).
   // (Not where bfloat16 rows take attend_rows_paired: its widening costs a quarter of the AVX2 one, and every row
   // then has one arithmetic whatever its request's query count.)
   const bool prefetch_next = takes_paired<T>(D);
-  const bool widen = per_head > G && !prefetch_next;  // used for bfloat16 caches only
+  // used for bfloat16 and int8 caches only; int8 rows off attend_rows_paired always
+  const bool widen = (per_head > G || std::is_same_v<T, int8_t>) && !prefetch_next;
   const int64_t last = start + w.q1 - 1;  // furthest key position any row sees
   const int32_t* bt = a.block_tables + w.req * a.max_blocks;
   // a whole-slot item's heads side by side in each slot (contiguous caches): read every chunk's slots in order first
-  const bool pull = w.kv1 - w.kv0 > 1 && a.k_s1 == D && a.v_s1 == D;
+  const bool pull = w.kv1 - w.kv0 > 1 && a.k_s1 == a.row && a.v_s1 == a.row;
   // a chunk's K / V rows of kv head kv0 (head g's are (g - kv0) head strides on), this chunk's and the next's
   const T* krows[2][KEY_CHUNK];
   const T* vrows[2][KEY_CHUNK];
@@ -678,17 +836,21 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
       kv_rows(vc, a.v_s0, w.kv0 * a.v_s1, bt, bs, p0 + n, n_next, Vnext);
     }
     if (pull && (p0 == 0 || !prefetch_next))
-      pull_slots(Kslot, Vslot, n, static_cast<int64_t>((w.kv1 - w.kv0) * D * sizeof(T)));
+      pull_slots(Kslot, Vslot, n, static_cast<int64_t>((w.kv1 - w.kv0) * a.row * sizeof(T)));
     for (int64_t g = w.kv0; g < w.kv1; ++g) {
-      NextRows next;  // the next chunk's rows of head g, prefetched by this head's first rows (bfloat16 only)
-      if constexpr (std::is_same_v<T, uint16_t>)
+      NextRows<T> next;  // the next chunk's rows of head g, prefetched by this head's first rows (not float32)
+      if constexpr (!std::is_same_v<T, float>)
         if (n_next > 0) next = {Knext, Vnext, n_next, (g - w.kv0) * a.k_s1, (g - w.kv0) * a.v_s1};
-      // The rows of kv head g over keys p0 .. p0 + n - 1, K and V rows given as float32 or bfloat16 pointers.
-      // Rows come G to a query (rr = ... + (i - q0) * G + gh), taken up to GROUP_ROWS at a time within a query.
+      // The rows of kv head g over keys p0 .. p0 + n - 1, K and V rows given as the cache's pointers or widened
+      // float32 ones (then with nothing to prefetch). Rows come G to a query (rr = ... + (i - q0) * G + gh), taken up
+      // to GROUP_ROWS at a time within a query.
       const float* kt = nullptr;  // K transposed for scores_kt: items of more than one query (their rows share it)
       auto attend_head = [&](const auto* const* K, const auto* const* V) {
+        using Row = std::decay_t<decltype(**K)>;
+        NextRows<Row> head_next;
+        if constexpr (std::is_same_v<Row, T>) head_next = next;
 #ifdef __AVX2__
-        if constexpr (std::is_same_v<std::decay_t<decltype(**K)>, float>) {
+        if constexpr (std::is_same_v<Row, float>) {
           if (D == 64 && per_head > G) transpose_chunk(K, n, sc.kt.data()), kt = sc.kt.data();
         }
 #endif
@@ -697,7 +859,7 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
           const int64_t query_end = rr - (rr - begin) % G + G;
           const int R = static_cast<int>(std::min<int64_t>(GROUP_ROWS, query_end - rr));
           const int64_t nv = std::min(n, sc.pos[rr] - p0 + 1);  // causal: keys p0..pos
-          if (nv > 0) attend_rows(K, V, rr, R, nv, D, sc, next, kt), next.n = 0;
+          if (nv > 0) attend_rows(K, V, rr, R, nv, D, sc, head_next, kt), head_next.n = 0;
           rr += R;
         }
       };
@@ -726,6 +888,28 @@ void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc,
 #ifdef TP_HAVE_BF16_DOT
 static_assert(KEY_CHUNK == kDotCols, "attend_dot scores one key chunk as one panel of 32 columns");
 
+// The chunk's K / V rows of kv head g (keys p0 .. p0 + n - 1) as bfloat16 rows: in place in a bfloat16 cache; from
+// an int8 cache, each row's values times its scale rounded into sc.kdeq / sc.vdeq.
+inline void chunk_rows_bf16(const Args& a, const uint16_t* kc, const uint16_t* vc, int64_t g, const int32_t* bt,
+                            int64_t p0, int64_t n, const uint16_t** K, const uint16_t** V, Scratch&) {
+  kv_rows(kc, a.k_s0, g * a.k_s1, bt, a.block_size, p0, n, K);
+  kv_rows(vc, a.v_s0, g * a.v_s1, bt, a.block_size, p0, n, V);
+}
+inline void chunk_rows_bf16(const Args& a, const int8_t* kc, const int8_t* vc, int64_t g, const int32_t* bt,
+                            int64_t p0, int64_t n, const uint16_t** K, const uint16_t** V, Scratch& sc) {
+  const int8_t* Kq[KEY_CHUNK];
+  const int8_t* Vq[KEY_CHUNK];
+  kv_rows(kc, a.k_s0, g * a.k_s1, bt, a.block_size, p0, n, Kq);
+  kv_rows(vc, a.v_s0, g * a.v_s1, bt, a.block_size, p0, n, Vq);
+  float row[64];
+  for (int64_t j = 0; j < n; ++j) {
+    uint16_t* k = sc.kdeq.data() + j * 64;
+    uint16_t* v = sc.vdeq.data() + j * 64;
+    dequantize_int8_row(row, Kq[j], 64), convert(k, row, 64), K[j] = k;
+    dequantize_int8_row(row, Vq[j], 64), convert(v, row, 64), V[j] = v;
+  }
+}
+
 // attend() for a prefill item (one kv head, bfloat16 cache, D == 64) on AVX512-BF16 dot products, as flash
 // attention runs in bfloat16: the scaled queries and each chunk's probabilities rounded to bfloat16, products summed
 // in float32. Per 32-key chunk, a tile of up to 12 rows at a time: S = Q K^T (the chunk's 32 keys as columns, d in
@@ -738,9 +922,9 @@ static_assert(KEY_CHUNK == kDotCols, "attend_dot scores one key chunk as one pan
 // exp512_nonpositive, one conversion instruction for 32 probabilities and each row's sum kept as 16 lanes until the
 // end, with DOT_Q_TILE's items, took it from 117 to 105 ms (medians of 6 alternating runs). (Scores through a float32
 // buffer, softmax row by row on AVX2 and the probabilities transposed pair-major: 1.4x as long, session 29.)
-template <class QT>
-void attend_dot(const Args& a, const WorkItem& w, const QT* q, QT* out, const uint16_t* kc, const uint16_t* vc,
-                Scratch& sc) {
+// An int8 cache's rows of each chunk are widened, scaled and rounded to bfloat16 rows first (sc.kdeq, sc.vdeq).
+template <class T, class QT>
+void attend_dot(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc, const T* vc, Scratch& sc) {
   constexpr int64_t D = 64, DP = D / 2, KP = KEY_CHUNK / 2;
   const int64_t bs = a.block_size, g = w.kv0, rows = w.rows(a.groups);
   const int64_t start = a.seq_lens[w.req] - (a.qsl[w.req + 1] - a.qsl[w.req]);
@@ -760,8 +944,7 @@ void attend_dot(const Args& a, const WorkItem& w, const QT* q, QT* out, const ui
     const int64_t n = std::min(KEY_CHUNK, last + 1 - p0);
     const uint16_t* K[KEY_CHUNK];
     const uint16_t* V[KEY_CHUNK];
-    kv_rows(kc, a.k_s0, g * a.k_s1, bt, bs, p0, n, K);
-    kv_rows(vc, a.v_s0, g * a.v_s1, bt, bs, p0, n, V);
+    chunk_rows_bf16(a, kc, vc, g, bt, p0, n, K, V, sc);
     // K^T as a panel (keys past n zero), V with keys in pairs (rows past n zero: their probabilities are 0, and
     // 0 x whatever lies there could be NaN)
     for (int64_t j0 = 0; j0 < KEY_CHUNK; j0 += 16)
@@ -860,11 +1043,12 @@ void run_items(const Args& a, const std::vector<WorkItem>& items, const QT* q, Q
   int64_t max_rows = 0;
   bool any_dot = false;
   for (const WorkItem& w : items) max_rows = std::max(max_rows, w.rows(a.groups)), any_dot |= takes_dot(a, w);
-  dynamic_for(static_cast<int64_t>(items.size()), [&] { return Scratch(max_rows, a.D, any_dot); },
+  constexpr bool int8 = std::is_same_v<T, int8_t>;
+  dynamic_for(static_cast<int64_t>(items.size()), [&] { return Scratch(max_rows, a.D, any_dot, int8); },
               [&](int64_t i, Scratch& sc) {
 #ifdef TP_HAVE_BF16_DOT
-                if constexpr (std::is_same_v<T, uint16_t>) {  // attend_dot reads bfloat16 caches only
-                  if (takes_dot(a, items[i])) return attend_dot<QT>(a, items[i], q, out, kc, vc, sc);
+                if constexpr (!std::is_same_v<T, float>) {  // attend_dot reads bfloat16 and int8 caches
+                  if (takes_dot(a, items[i])) return attend_dot<T, QT>(a, items[i], q, out, kc, vc, sc);
                 }
 #endif
                 attend<T, QT>(a, items[i], q, out, kc, vc, sc);
@@ -895,6 +1079,15 @@ void dense_request(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cac
 
 }  // namespace
 
+// Whether attention over an int8 cache scores on AVX512-VNNI (queries rounded to int8 rows; see scores16_int8).
+bool int8_qk_available() {
+#ifdef TP_HAVE_INT8_QK
+  return true;
+#else
+  return false;
+#endif
+}
+
 // out[T,H,D] = causal varlen attention of q[T,H,D] over the paged cache; see extension.py for the contract. q may be
 // a view with rows further apart (the query part of a fused [T, (H + 2 KVH) * D] projection, read in place).
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
@@ -909,10 +1102,12 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "caches must be [S, KVH, D]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k/v caches must share a dtype");
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "cache rows must be contiguous in D");
-  TORCH_CHECK(k_cache.size(2) == q.size(2), "head dim mismatch");
   const auto ct = k_cache.scalar_type(), qt = q.scalar_type();
-  TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16, "cache must be float32 or bfloat16");
-  TORCH_CHECK(qt == at::kFloat || qt == ct, "q must be float32 or the cache dtype");
+  const int64_t row = q.size(2) + (ct == at::kChar ? kInt8RowExtra : 0);  // int8: D values, then their scale
+  TORCH_CHECK(k_cache.size(2) == row, "head dim mismatch");
+  TORCH_CHECK(ct == at::kFloat || ct == at::kBFloat16 || ct == at::kChar, "cache must be float32, bfloat16 or int8");
+  TORCH_CHECK(qt == at::kFloat || qt == ct || (ct == at::kChar && qt == at::kBFloat16),
+              "q must be float32 or the cache dtype (float32 or bfloat16 over an int8 cache)");
   const int64_t H = q.size(1), KVH = k_cache.size(1);
   TORCH_CHECK(H % KVH == 0, "H must be a multiple of KVH");
   TORCH_CHECK(block_size > 0, "block_size must be positive");
@@ -921,13 +1116,13 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   auto qsl = qsl_in.to(at::kInt).contiguous();
   const int64_t R = sl.size(0);
   TORCH_CHECK(bt.dim() == 2 && bt.size(0) >= R && qsl.size(0) == R + 1, "block_tables [R, B], query_start_loc [R+1]");
-  Args a{H, KVH, q.size(2), H / KVH, block_size, bt.size(1), q.stride(0), H * q.size(2),
+  Args a{H, KVH, q.size(2), H / KVH, block_size, bt.size(1), row, q.stride(0), H * q.size(2),
          k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
          static_cast<float>(scale), bt.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), qsl.data_ptr<int32_t>(),
-         ct == at::kBFloat16 ? dot_min_queries : 0};  // attend_dot reads bfloat16 caches only
+         ct == at::kFloat ? 0 : dot_min_queries};  // attend_dot reads bfloat16 and int8 caches
   TORCH_CHECK(dot_min_queries >= 0, "dot_min_queries must be >= 0 (0: never)");
   TORCH_CHECK(dense_min_queries >= 0, "dense_min_queries must be >= 0 (0: never)");
-  const bool dense_ok = dense_min_queries > 0 && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+  const bool dense_ok = dense_min_queries > 0 && ct != at::kChar && k_cache.is_contiguous() && v_cache.is_contiguous() &&
                         k_cache.size(0) % block_size == 0;  // the cache viewed as [blocks, block_size, KVH, D]
   auto dense = [&](int32_t r) { return dense_ok && a.qsl[r + 1] - a.qsl[r] >= dense_min_queries; };
   int64_t short_requests = 0;
@@ -965,7 +1160,11 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                                 block_size, scale);
   if (items.empty()) return;
   auto bf = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
-  if (ct == at::kFloat) {
+  if (ct == at::kChar) {
+    const int8_t *kc = k_cache.data_ptr<int8_t>(), *vc = v_cache.data_ptr<int8_t>();
+    if (qt == at::kFloat) run_items<int8_t, float>(a, items, q.data_ptr<float>(), out.data_ptr<float>(), kc, vc);
+    else run_items<int8_t, uint16_t>(a, items, bf(q), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), kc, vc);
+  } else if (ct == at::kFloat) {
     run_items<float, float>(a, items, q.data_ptr<float>(), out.data_ptr<float>(), k_cache.data_ptr<float>(),
                             v_cache.data_ptr<float>());
   } else if (qt == at::kFloat) {

@@ -38,6 +38,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("query_start_loc"), py::arg("block_size"), py::arg("scale"), py::arg("dense_min_queries") = 0,
         py::arg("dot_min_queries") = 0);
+  m.def("int8_qk_available", &tp::int8_qk_available,
+        "whether attention over an int8 cache scores on AVX512-VNNI (queries rounded to int8 rows)");
   m.def("bf16_gemm_available", &tp::bf16_gemm_available, "whether bf16_gemm was built (AVX512-BF16)");
   m.def("pack_bf16_gemm", &tp::pack_bf16_gemm, "a bfloat16 weight [n, k] in bf16_gemm's panel layout",
         py::arg("weight"));

@@ -279,6 +279,61 @@ inline void convert(float* dst, const uint16_t* src, int64_t n) {
   for (; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
 }
 
+// An int8 KV cache row (--kv-cache-dtype int8): D int8 values q, then the row's float32 scale s (its 4 bytes), a
+// value being q[d] * s. s = max |x| / 127 and q = x / s rounded to nearest even (all 0 where s is 0), in float32:
+// the bytes twophase.model.attention.quantize_int8_rows writes. A row of D = 64 is 68 bytes against bfloat16's 128.
+constexpr int64_t kInt8RowExtra = 4;  // the scale's bytes after a row's values
+
+inline float int8_row_scale(const int8_t* row, int64_t D) {
+  float s;
+  std::memcpy(&s, row + D, sizeof(float));
+  return s;
+}
+
+inline void quantize_int8_row(int8_t* dst, const float* src, int64_t D) {
+  float amax = 0.f;
+  int64_t d = 0;
+#ifdef __AVX512F__
+  __m512 vmax = _mm512_setzero_ps();
+  for (; d + 16 <= D; d += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(src + d)));
+  amax = _mm512_reduce_max_ps(vmax);
+#endif
+  for (; d < D; ++d) amax = std::max(amax, std::fabs(src[d]));
+  const float s = amax / 127.f;
+  d = 0;
+#ifdef __AVX512F__
+  if (s > 0.f) {  // x / s rounded to nearest even (the default rounding mode), as nearbyint below
+    const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
+    for (; d + 16 <= D; d += 16) {
+      const __m512 x = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_div_ps(_mm512_loadu_ps(src + d), sv)));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(x)));
+    }
+  }
+#endif
+  for (; d < D; ++d)
+    dst[d] = s > 0.f ? static_cast<int8_t>(std::nearbyint(std::max(-127.f, std::min(127.f, src[d] / s)))) : 0;
+  std::memcpy(dst + D, &s, sizeof(float));
+}
+constexpr int64_t kInt8MaxRow = 1024;  // the longest row quantize_int8_row takes from bfloat16 (MAX_ROTARY_DIM)
+inline void quantize_int8_row(int8_t* dst, const uint16_t* src, int64_t D) {
+  float row[kInt8MaxRow];
+  convert(row, src, std::min(D, kInt8MaxRow));
+  quantize_int8_row(dst, row, std::min(D, kInt8MaxRow));
+}
+
+// The row's D values as float32.
+inline void dequantize_int8_row(float* dst, const int8_t* src, int64_t D) {
+  const float s = int8_row_scale(src, D);
+  int64_t d = 0;
+#ifdef __AVX512F__
+  const __m512 sv = _mm512_set1_ps(s);
+  for (; d + 16 <= D; d += 16)
+    _mm512_storeu_ps(dst + d, _mm512_mul_ps(sv, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                   _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + d))))));
+#endif
+  for (; d < D; ++d) dst[d] = static_cast<float>(src[d]) * s;
+}
+
 // dot(a, b) over n floats.
 inline float dot_f32(const float* a, const float* b, int64_t n) {
   int64_t i = 0;

@@ -22,6 +22,7 @@ inline float round_to(float v, const uint16_t*) { return bf16_to_f32(f32_to_bf16
 template <class T>
 T* ptr(const at::Tensor& t) {
   if constexpr (std::is_same_v<T, float>) return t.data_ptr<float>();
+  else if constexpr (std::is_same_v<T, int8_t>) return t.data_ptr<int8_t>();
   else return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>());
 }
 
@@ -171,6 +172,12 @@ struct RopeArgs {
   const float *cos, *sin;
 };
 
+// A K or V row of d values into its cache row: converted to the cache's dtype, or quantized (an int8 cache).
+template <class C, class T>
+inline void store_cache_row(C* dst, const T* src, int64_t d) { convert(dst, src, d); }
+template <class T>
+inline void store_cache_row(int8_t* dst, const T* src, int64_t d) { quantize_int8_row(dst, src, d); }
+
 template <class T, class C>
 void rotary_cache_impl(const RopeArgs& a, at::Tensor& qkv, at::Tensor& k_cache, at::Tensor& v_cache) {
   T* qp = ptr<T>(qkv);
@@ -186,8 +193,8 @@ void rotary_cache_impl(const RopeArgs& a, at::Tensor& qkv, at::Tensor& k_cache, 
     const T *k = row + a.heads * a.d, *v = k + kvd;
     const int64_t slot = a.slots[t];
     for (int64_t h = 0; h < a.kv_heads; ++h) {
-      convert(kc + slot * ks0 + h * ks1, k + h * a.d, a.d);
-      convert(vc + slot * vs0 + h * vs1, v + h * a.d, a.d);
+      store_cache_row(kc + slot * ks0 + h * ks1, k + h * a.d, a.d);
+      store_cache_row(vc + slot * vs0 + h * vs1, v + h * a.d, a.d);
     }
   });
 }
@@ -250,11 +257,14 @@ void rotary_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "rotary_cache_: caches must be [S, KVH, D]");
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "rotary_cache_: cache rows contiguous in D");
   const auto ct = k_cache.scalar_type(), qt = qkv.scalar_type();
-  TORCH_CHECK(v_cache.scalar_type() == ct && (ct == qt || (qt == at::kFloat && ct == at::kBFloat16)),
-              "rotary_cache_: the caches must share qkv's dtype, or be bfloat16 under float32 qkv");
-  const int64_t d = k_cache.size(2), T = qkv.size(0);
+  TORCH_CHECK(v_cache.scalar_type() == ct && (ct == qt || ct == at::kChar || (qt == at::kFloat && ct == at::kBFloat16)),
+              "rotary_cache_: the caches must share qkv's dtype, be bfloat16 under float32 qkv, or int8");
+  const int64_t T = qkv.size(0);
+  TORCH_CHECK(heads > 0 && kv_heads > 0 && qkv.size(1) % (heads + 2 * kv_heads) == 0, "rotary_cache_: shapes");
+  const int64_t d = qkv.size(1) / (heads + 2 * kv_heads);  // an int8 cache's rows hold d values and a scale
   TORCH_CHECK(d % 2 == 0 && d <= MAX_ROTARY_DIM, "rotary_cache_: head dim must be even and at most ", MAX_ROTARY_DIM);
-  TORCH_CHECK(k_cache.size(1) == kv_heads && qkv.size(1) == (heads + 2 * kv_heads) * d, "rotary_cache_: shapes");
+  TORCH_CHECK(k_cache.size(1) == kv_heads && k_cache.size(2) == d + (ct == at::kChar ? kInt8RowExtra : 0),
+              "rotary_cache_: cache shapes");
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.size(1) == d && sin.sizes() == cos.sizes(),
               "rotary_cache_: cos/sin must be contiguous float32 [P, D]");
@@ -267,10 +277,12 @@ void rotary_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Tenso
     TORCH_CHECK(a.positions[t] >= 0 && a.positions[t] < a.positions_max, "rotary_cache_: position out of range");
     TORCH_CHECK(a.slots[t] >= 0 && a.slots[t] < k_cache.size(0), "rotary_cache_: slot out of range");
   }
-  if (qt == at::kFloat && ct == at::kFloat) rotary_cache_impl<float, float>(a, qkv, k_cache, v_cache);
+  TORCH_CHECK(qt == at::kFloat || qt == at::kBFloat16, "rotary_cache_: float32 or bfloat16");
+  if (ct == at::kChar && qt == at::kFloat) rotary_cache_impl<float, int8_t>(a, qkv, k_cache, v_cache);
+  else if (ct == at::kChar) rotary_cache_impl<uint16_t, int8_t>(a, qkv, k_cache, v_cache);
+  else if (qt == at::kFloat && ct == at::kFloat) rotary_cache_impl<float, float>(a, qkv, k_cache, v_cache);
   else if (qt == at::kFloat) rotary_cache_impl<float, uint16_t>(a, qkv, k_cache, v_cache);
-  else if (qt == at::kBFloat16) rotary_cache_impl<uint16_t, uint16_t>(a, qkv, k_cache, v_cache);
-  else TORCH_CHECK(false, "rotary_cache_: float32 or bfloat16");
+  else rotary_cache_impl<uint16_t, uint16_t>(a, qkv, k_cache, v_cache);
 }
 
 }  // namespace tp

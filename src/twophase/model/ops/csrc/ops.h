@@ -49,6 +49,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                      int64_t block_size, double scale, int64_t dense_min_queries = 0,
                      int64_t dot_min_queries = 0);
+// Whether attention over an int8 cache scores on AVX512-VNNI (its queries rounded to int8 rows).
+bool int8_qk_available();
 // bfloat16 GEMM on AVX512-BF16 dot products (gemm_bf16.cpp): whether this build has it; a bfloat16 weight [N, K]
 // (K even) in its panel layout; y = x @ W.T for x float32 / bfloat16 [M, K], as bfloat16 or as float32 holding the
 // bfloat16-rounded values. Each output is one chain over k in order whatever M: a row's result never depends on
