@@ -507,7 +507,7 @@ def test_int8_cache_rows_round_like_torch() -> None:
     heads, kv_heads, d = 1, 1, 64
     g = torch.Generator().manual_seed(4)
     rows = torch.randn(5, d, generator=g) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 1.0])[:, None]
-    rows[4, :] = torch.arange(d) - 31.5  # row 4's largest value is 127, so s = 1 and x / s = x: halves go to even
+    rows[4, :] = torch.arange(d) - 31.5  # row 4's largest value is 127, so s = 1 and x · (1 / s) = x: halves go to even
     rows[4, :8] = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 127.0, -127.0])
     qkv = torch.zeros(5, (heads + 2 * kv_heads) * d)
     qkv[:, (heads + kv_heads) * d :] = rows

@@ -8,10 +8,6 @@ import struct
 from dataclasses import asdict, dataclass
 from typing import Any, Sequence
 
-import torch
-
-from twophase.model.attention import cache_row_len
-
 ROLES = ("both", "prefill", "decode")
 
 
@@ -53,12 +49,6 @@ class KVSpec:
             if mine != theirs:
                 return f"{name} differs: {mine!r} here, {theirs!r} on the remote worker"
         return None
-
-    @property
-    def bytes_per_block(self) -> int:
-        """K and V bytes of one block over all layers."""
-        row = cache_row_len(self.head_dim, getattr(torch, self.dtype)) * getattr(torch, self.dtype).itemsize
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * row
 
 
 def model_digest(model_config: Any) -> str:

@@ -21,6 +21,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from twophase.model.ops.quant import quantize_blocks
+
 
 @dataclass
 class PrefillChunk:
@@ -76,13 +78,11 @@ def cache_row_len(head_dim: int, dtype: torch.dtype) -> int:
 
 
 def quantize_int8_rows(x: torch.Tensor) -> torch.Tensor:
-    """int8 cache rows [..., D + 4] of x [..., D]: q = x / s rounded to nearest even, s = max |x| / 127 a row (q all 0
-    where s is 0), in float32, then s's bytes; the kernels' quantize_int8_row writes the same bytes. Per row (a token's
-    kv head), K and V keep 7 bits of their largest value: SmolLM2's teacher-forced top-1 agreement with float32 was
-    0.996 with it and everything else float32."""
-    x = x.float()
-    scale = x.abs().amax(-1, keepdim=True) / 127  # [..., 1]
-    q = torch.where(scale > 0, x / scale, torch.zeros_like(x)).round().clamp(-127, 127).to(torch.int8)
+    """int8 cache rows [..., D + 4] of x [..., D]: each row one block of ``quant.quantize_blocks`` (s = max |x| / 127,
+    q = x · (1 / s) rounded to nearest even), then s's 4 bytes; the kernels' quantize_int8_row writes the same bytes.
+    Per row (a token's kv head), K and V keep 7 bits of their largest value: SmolLM2's teacher-forced top-1 agreement
+    with float32 was 0.996 with it and everything else float32."""
+    q, scale = quantize_blocks(x, x.shape[-1])  # [..., D], [..., 1]
     return torch.cat([q, scale.view(torch.int8)], dim=-1)  # the scale's float32 bytes as 4 int8
 
 

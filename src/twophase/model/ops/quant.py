@@ -91,15 +91,20 @@ def from_gguf_q4_1(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, tor
     return qs, d, m
 
 
-def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float32 [T, K] -> (q int8 [T, K], d float32 [T, K/32]) with x ≈ d · q: d = max|x| / 127 per block, q rounded
-    to nearest even. The C++ kernels quantize with the same float32 operations, so both give the same q and d."""
-    t, k = x.shape
-    b = x.float().reshape(t, k // QK, QK)
-    d = b.abs().amax(-1) / 127.0  # [T, nb]
+def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [..., K] -> (q int8 [..., K], d float32 [..., K/block]) with x ≈ d · q: d = max|x| / 127 per block of the
+    last dim, q = x · (1 / d) rounded to nearest even (0 where d is 0), in float32. The C++ kernels quantize with the
+    same operations (the int8 GEMMs' activations, the int8 KV cache's rows), so both give the same q and d."""
+    b = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
+    d = b.abs().amax(-1) / 127.0  # [..., nb]
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(b * inv[..., None]).to(torch.int8)
-    return q.reshape(t, k), d
+    return q.reshape(x.shape), d
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 [T, K] -> (q int8 [T, K], d float32 [T, K/32]): ``quantize_blocks`` in blocks of 32."""
+    return quantize_blocks(x, QK)
 
 
 def fake_quantize_activations(x: torch.Tensor) -> torch.Tensor:

@@ -60,7 +60,7 @@ struct Scratch {
       : q(rows * D), acc(rows * D), s(rows * KEY_CHUNK), m(rows), l(rows), kbuf(KEY_CHUNK * D),
         vbuf(KEY_CHUNK * D), row(D), kt(KEY_CHUNK * D), pos(rows), qp(dot ? rows * D / 2 : 0),
         pp(dot ? rows * KEY_CHUNK / 2 : 0), lv(dot ? rows * 16 : 0), kpanel(dot ? KEY_CHUNK * D : 0), vpanel(dot ? KEY_CHUNK * D : 0),
-        kdeq(dot && int8 ? KEY_CHUNK * D : 0), vdeq(dot && int8 ? KEY_CHUNK * D : 0), ks(KEY_CHUNK),
+        kdeq(dot && int8 ? KEY_CHUNK * D : 0), vdeq(dot && int8 ? KEY_CHUNK * D : 0), ks(int8 ? KEY_CHUNK : 0),
         q8(int8 ? rows * (D + kInt8RowExtra) : 0) {}
 };
 

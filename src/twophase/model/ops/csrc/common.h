@@ -280,8 +280,9 @@ inline void convert(float* dst, const uint16_t* src, int64_t n) {
 }
 
 // An int8 KV cache row (--kv-cache-dtype int8): D int8 values q, then the row's float32 scale s (its 4 bytes), a
-// value being q[d] * s. s = max |x| / 127 and q = x / s rounded to nearest even (all 0 where s is 0), in float32:
-// the bytes twophase.model.attention.quantize_int8_rows writes. A row of D = 64 is 68 bytes against bfloat16's 128.
+// value being q[d] * s. s = max |x| / 127 and q = x * (1 / s) rounded to nearest even (all 0 where s is 0), in
+// float32: the int8 GEMMs' rule for their activation blocks (quantize_row, quantize_x_q8), here a block a row; the
+// bytes twophase.model.attention.quantize_int8_rows writes. A row of D = 64 is 68 bytes against bfloat16's 128.
 constexpr int64_t kInt8RowExtra = 4;  // the scale's bytes after a row's values
 
 inline float int8_row_scale(const int8_t* row, int64_t D) {
@@ -299,26 +300,23 @@ inline void quantize_int8_row(int8_t* dst, const float* src, int64_t D) {
   amax = _mm512_reduce_max_ps(vmax);
 #endif
   for (; d < D; ++d) amax = std::max(amax, std::fabs(src[d]));
-  const float s = amax / 127.f;
+  const float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
   d = 0;
 #ifdef __AVX512F__
-  if (s > 0.f) {  // x / s rounded to nearest even (the default rounding mode), as nearbyint below
-    const __m512 sv = _mm512_set1_ps(s), lo = _mm512_set1_ps(-127.f), hi = _mm512_set1_ps(127.f);
-    for (; d + 16 <= D; d += 16) {
-      const __m512 x = _mm512_min_ps(hi, _mm512_max_ps(lo, _mm512_div_ps(_mm512_loadu_ps(src + d), sv)));
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(x)));
-    }
-  }
+  const __m512 iv = _mm512_set1_ps(inv);  // cvtps_epi32 rounds to nearest even (the default mode), as nearbyint
+  for (; d + 16 <= D; d += 16)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + d), iv))));
 #endif
-  for (; d < D; ++d)
-    dst[d] = s > 0.f ? static_cast<int8_t>(std::nearbyint(std::max(-127.f, std::min(127.f, src[d] / s)))) : 0;
+  for (; d < D; ++d) dst[d] = static_cast<int8_t>(std::nearbyint(src[d] * inv));
   std::memcpy(dst + D, &s, sizeof(float));
 }
 constexpr int64_t kInt8MaxRow = 1024;  // the longest row quantize_int8_row takes from bfloat16 (MAX_ROTARY_DIM)
 inline void quantize_int8_row(int8_t* dst, const uint16_t* src, int64_t D) {
+  TORCH_CHECK(D <= kInt8MaxRow, "quantize_int8_row: a bfloat16 row of at most ", kInt8MaxRow, " values");
   float row[kInt8MaxRow];
-  convert(row, src, std::min(D, kInt8MaxRow));
-  quantize_int8_row(dst, row, std::min(D, kInt8MaxRow));
+  convert(row, src, D);
+  quantize_int8_row(dst, row, D);
 }
 
 // The row's D values as float32.
