@@ -280,9 +280,8 @@ inline void convert(float* dst, const uint16_t* src, int64_t n) {
 }
 
 // An int8 KV cache row (--kv-cache-dtype int8): D int8 values q, then the row's float32 scale s (its 4 bytes), a
-// value being q[d] * s. s = max |x| / 127 and q = x * (1 / s) rounded to nearest even (all 0 where s is 0), in
-// float32: the int8 GEMMs' rule for their activation blocks (quantize_row, quantize_x_q8), here a block a row; the
-// bytes twophase.model.attention.quantize_int8_rows writes. A row of D = 64 is 68 bytes against bfloat16's 128.
+// value being q[d] * s: the row quantized as one block by quantize_block_int8 below, the bytes
+// twophase.model.attention.quantize_int8_rows writes. A row of D = 64 is 68 bytes against bfloat16's 128.
 constexpr int64_t kInt8RowExtra = 4;  // the scale's bytes after a row's values
 
 inline float int8_row_scale(const int8_t* row, int64_t D) {
@@ -291,24 +290,33 @@ inline float int8_row_scale(const int8_t* row, int64_t D) {
   return s;
 }
 
-inline void quantize_int8_row(int8_t* dst, const float* src, int64_t D) {
+// x[0, n) as int8 values q with x ~ d * q: d = max |x| / 127 and q = x * (1 / d) rounded to nearest even (all 0 where
+// d is 0), in float32; returns d. The one rounding rule of the int8 GEMMs' activation blocks (quantize_row,
+// quantize_x_q8: blocks of 32), the int8 KV cache's rows (a block a row) and quant.quantize_blocks.
+inline float quantize_block_int8(const float* x, int64_t n, int8_t* q) {
   float amax = 0.f;
-  int64_t d = 0;
+  int64_t i = 0;
 #ifdef __AVX512F__
   __m512 vmax = _mm512_setzero_ps();
-  for (; d + 16 <= D; d += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(src + d)));
+  for (; i + 16 <= n; i += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
   amax = _mm512_reduce_max_ps(vmax);
 #endif
-  for (; d < D; ++d) amax = std::max(amax, std::fabs(src[d]));
-  const float s = amax / 127.f, inv = s > 0.f ? 1.f / s : 0.f;
-  d = 0;
+  for (; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  i = 0;
 #ifdef __AVX512F__
   const __m512 iv = _mm512_set1_ps(inv);  // cvtps_epi32 rounds to nearest even (the default mode), as nearbyint
-  for (; d + 16 <= D; d += 16)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + d),
-                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(src + d), iv))));
+  for (; i + 16 <= n; i += 16)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i),
+                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), iv))));
 #endif
-  for (; d < D; ++d) dst[d] = static_cast<int8_t>(std::nearbyint(src[d] * inv));
+  for (; i < n; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+  return d;
+}
+
+// An int8 cache row: its D values quantized as one block, then the scale's bytes.
+inline void quantize_int8_row(int8_t* dst, const float* src, int64_t D) {
+  const float s = quantize_block_int8(src, D, dst);
   std::memcpy(dst + D, &s, sizeof(float));
 }
 constexpr int64_t kInt8MaxRow = 1024;  // the longest row quantize_int8_row takes from bfloat16 (MAX_ROTARY_DIM)

@@ -36,30 +36,10 @@ void check_k(int64_t K) { TORCH_CHECK(K > 0 && K % kI8Block == 0, "int8 GEMM: K 
 // with mins, xs = xd * the block's sum of values.
 void quantize_row(const float* x, int64_t K, uint8_t* q, float* xd, float* xs) {
   for (int64_t b = 0; b < K / kI8Block; ++b) {
-    const float* xb = x + b * kI8Block;
-#ifdef TP_HAVE_INT8_DOT
-    // 16 lanes at a time: the scalar code's arithmetic (cvtps_epi32 rounds to nearest even, as nearbyint does)
-    static_assert(kI8Block == 32, "two vectors a block");
-    const __m512 v0 = _mm512_loadu_ps(xb), v1 = _mm512_loadu_ps(xb + 16);
-    const float d = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1))) / 127.f;
-    const __m512 inv = _mm512_set1_ps(d > 0.f ? 1.f / d : 0.f);
-    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inv)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inv));
-    const __m512i offset = _mm512_set1_epi32(128);
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kI8Block), _mm512_cvtepi32_epi8(_mm512_add_epi32(i0, offset)));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + b * kI8Block + 16),
-                     _mm512_cvtepi32_epi8(_mm512_add_epi32(i1, offset)));
-    const int32_t sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
-#else
-    float amax = 0.f;
-    for (int64_t k = 0; k < kI8Block; ++k) amax = std::max(amax, std::fabs(xb[k]));
-    const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+    int8_t* qb = reinterpret_cast<int8_t*>(q + b * kI8Block);
+    const float d = quantize_block_int8(x + b * kI8Block, kI8Block, qb);
     int32_t sum = 0;
-    for (int64_t k = 0; k < kI8Block; ++k) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[k] * inv));
-      q[b * kI8Block + k] = static_cast<uint8_t>(v + 128);
-      sum += v;
-    }
-#endif
+    for (int64_t k = 0; k < kI8Block; ++k) sum += qb[k], qb[k] = static_cast<int8_t>(qb[k] ^ 0x80);  // v + 128 as uint8
     xd[b] = d;
     if (xs) xs[b] = d * static_cast<float>(sum);
   }

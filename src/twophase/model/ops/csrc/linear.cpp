@@ -94,28 +94,14 @@ struct XQ8 {
   std::vector<float> d, s; // [M, K/32]
 };
 
-// The scale of one block of 32 activations, d = max|x| / 127 (0 for an all-zero block).
-inline float block_scale(const float* xb) {
-  float amax = 0.f;
-  for (int64_t j = 0; j < QK; ++j) amax = std::max(amax, std::fabs(xb[j]));
-  return amax / 127.f;
-}
-
-// x / d rounded to the nearest integer, half to even (the default rounding mode), as quant.py's torch.round.
-inline int32_t block_int(float x, float inv_d) { return static_cast<int32_t>(std::nearbyint(x * inv_d)); }
-
 XQ8 quantize_x_q8(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / QK;
   XQ8 r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
   for (int64_t i = 0; i < M * nb; ++i) {
-    const float* xb = x + i * QK;
-    const float d = block_scale(xb), id = d > 0.f ? 1.f / d : 0.f;
+    int8_t* q = r.q.data() + i * QK;
+    const float d = quantize_block_int8(x + i * QK, QK, q);
     int32_t sum = 0;
-    for (int64_t j = 0; j < QK; ++j) {
-      const int32_t v = block_int(xb[j], id);
-      r.q[i * QK + j] = static_cast<int8_t>(v);
-      sum += v;
-    }
+    for (int64_t j = 0; j < QK; ++j) sum += q[j];
     r.d[i] = d;
     r.s[i] = d * static_cast<float>(sum);
   }
@@ -973,9 +959,9 @@ at::Tensor fake_quantize_activations(const at::Tensor& x_in) {
   float* dst = y.data_ptr<float>();
   at::parallel_for(0, x.numel() / QK, 1024, [&](int64_t b0, int64_t b1) {
     for (int64_t i = b0; i < b1; ++i) {
-      const float* xb = src + i * QK;
-      const float d = block_scale(xb), id = d > 0.f ? 1.f / d : 0.f;
-      for (int64_t j = 0; j < QK; ++j) dst[i * QK + j] = static_cast<float>(block_int(xb[j], id)) * d;
+      int8_t q[QK];
+      const float d = quantize_block_int8(src + i * QK, QK, q);
+      for (int64_t j = 0; j < QK; ++j) dst[i * QK + j] = static_cast<float>(q[j]) * d;
     }
   });
   return y;
