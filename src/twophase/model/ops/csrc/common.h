@@ -292,8 +292,12 @@ inline float int8_row_scale(const int8_t* row, int64_t D) {
 
 // x[0, n) as int8 values q with x ~ d * q: d = max |x| / 127 and q = x * (1 / d) rounded to nearest even (all 0 where
 // d is 0), in float32; returns d. The one rounding rule of the int8 GEMMs' activation blocks (quantize_row,
-// quantize_x_q8: blocks of 32), the int8 KV cache's rows (a block a row) and quant.quantize_blocks.
-inline float quantize_block_int8(const float* x, int64_t n, int8_t* q) {
+// quantize_x_q8: blocks of 32), the int8 KV cache's rows (a block a row) and quant.quantize_blocks. Each value is
+// stored plus offset as a byte (int8, or uint8 with offset 128: vpdpbusd's unsigned operand); sum (if given) gets
+// the sum of the q, from the same registers (a second pass reading the stored bytes back stalled on the stores).
+template <class Byte>
+inline float quantize_block_int8(const float* x, int64_t n, Byte* q, int32_t offset = 0, int32_t* sum = nullptr) {
+  static_assert(sizeof(Byte) == 1, "bytes out");
   float amax = 0.f;
   int64_t i = 0;
 #ifdef __AVX512F__
@@ -303,14 +307,25 @@ inline float quantize_block_int8(const float* x, int64_t n, int8_t* q) {
 #endif
   for (; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
   const float d = amax / 127.f, inv = d > 0.f ? 1.f / d : 0.f;
+  int32_t total = 0;
   i = 0;
 #ifdef __AVX512F__
   const __m512 iv = _mm512_set1_ps(inv);  // cvtps_epi32 rounds to nearest even (the default mode), as nearbyint
-  for (; i + 16 <= n; i += 16)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i),
-                     _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), iv))));
+  const __m512i off = _mm512_set1_epi32(offset);
+  __m512i vsum = _mm512_setzero_si512();
+  for (; i + 16 <= n; i += 16) {
+    const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + i), iv));  // |v| <= 127
+    if (sum) vsum = _mm512_add_epi32(vsum, v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(_mm512_add_epi32(v, off)));
+  }
+  if (sum) total = _mm512_reduce_add_epi32(vsum);
 #endif
-  for (; i < n; ++i) q[i] = static_cast<int8_t>(std::nearbyint(x[i] * inv));
+  for (; i < n; ++i) {
+    const int32_t v = static_cast<int32_t>(std::nearbyint(x[i] * inv));
+    total += v;
+    q[i] = static_cast<Byte>(v + offset);
+  }
+  if (sum) *sum = total;
   return d;
 }
 

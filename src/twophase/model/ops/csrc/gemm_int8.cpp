@@ -36,10 +36,8 @@ void check_k(int64_t K) { TORCH_CHECK(K > 0 && K % kI8Block == 0, "int8 GEMM: K 
 // with mins, xs = xd * the block's sum of values.
 void quantize_row(const float* x, int64_t K, uint8_t* q, float* xd, float* xs) {
   for (int64_t b = 0; b < K / kI8Block; ++b) {
-    int8_t* qb = reinterpret_cast<int8_t*>(q + b * kI8Block);
-    const float d = quantize_block_int8(x + b * kI8Block, kI8Block, qb);
     int32_t sum = 0;
-    for (int64_t k = 0; k < kI8Block; ++k) sum += qb[k], qb[k] = static_cast<int8_t>(qb[k] ^ 0x80);  // v + 128 as uint8
+    const float d = quantize_block_int8(x + b * kI8Block, kI8Block, q + b * kI8Block, 128, &sum);
     xd[b] = d;
     if (xs) xs[b] = d * static_cast<float>(sum);
   }

@@ -98,10 +98,8 @@ XQ8 quantize_x_q8(const float* x, int64_t M, int64_t K) {
   const int64_t nb = K / QK;
   XQ8 r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<float>(M * nb)};
   for (int64_t i = 0; i < M * nb; ++i) {
-    int8_t* q = r.q.data() + i * QK;
-    const float d = quantize_block_int8(x + i * QK, QK, q);
     int32_t sum = 0;
-    for (int64_t j = 0; j < QK; ++j) sum += q[j];
+    const float d = quantize_block_int8(x + i * QK, QK, r.q.data() + i * QK, 0, &sum);
     r.d[i] = d;
     r.s[i] = d * static_cast<float>(sum);
   }
