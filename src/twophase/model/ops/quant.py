@@ -94,7 +94,8 @@ def from_gguf_q4_1(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, tor
 def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """float [..., K] -> (q int8 [..., K], d float32 [..., K/block]) with x ≈ d · q: d = max|x| / 127 per block of the
     last dim, q = x · (1 / d) rounded to nearest even (0 where d is 0), in float32. The C++ kernels quantize with the
-    same operations (the int8 GEMMs' activations, the int8 KV cache's rows), so both give the same q and d."""
+    same operations (``quantize_block_int8`` in csrc/common.h: the int8 GEMMs' activations, the int8 KV cache's rows),
+    so both give the same q and d."""
     b = x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
     d = b.abs().amax(-1) / 127.0  # [..., nb]
     inv = torch.where(d > 0, 1.0 / d, torch.zeros_like(d))
