@@ -176,11 +176,45 @@ class S1Target:
     model: str | None = None
 
 
+def cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs since boot from /proc/stat's first line (busy: all but idle and iowait);
+    None where there is no /proc/stat."""
+    try:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    except (OSError, ValueError):
+        return None
+    total = sum(fields)  # user nice system idle iowait irq softirq steal (guest time is inside user)
+    return total - fields[3] - fields[4], total
+
+
+def busy_share(before: tuple[int, int], after: tuple[int, int]) -> float:
+    """The share of the CPUs' time that was busy between two ``cpu_times`` readings (0 when no time passed)."""
+    busy, total = after[0] - before[0], after[1] - before[1]
+    return busy / total if total > 0 else 0.0
+
+
+def wait_until_quiet(max_wait_s: float = 120.0, busy_below: float = 0.1, window_s: float = 1.0) -> float:
+    """Block until the CPUs are mostly idle (busy under ``busy_below`` over a ``window_s`` window) or ``max_wait_s``
+    passed; returns the seconds waited. The servers just started finish their own start-up work first: twophase maps
+    its KV cache while idle (~5 s for 2.9 GB on 2 cores), which otherwise fell on S1's first round (TTFT p99 7.1-7.3
+    s against 4.6-4.8 in the later rounds, `compare.py --only twophase` with three columns)."""
+    start = time.monotonic()
+    while time.monotonic() - start < max_wait_s:
+        before = cpu_times()
+        if before is None:
+            break
+        time.sleep(window_s)
+        after = cpu_times()
+        if after is None or busy_share(before, after) < busy_below:
+            break
+    return time.monotonic() - start
+
+
 def run_s1_rounds(targets: list[S1Target], workload: Workload, repeats: int) -> dict[str, dict]:
-    """S1 on every target, side by side: all the servers up at once (each warmed up with a tiny run), then
-    ``repeats`` rounds, each running S1 once on every server with the same request list (seed = round), the servers'
-    order rotated each round. A spell of host slowness then falls on one round of every server rather than on all
-    runs of one, and each round's figures compare within the round.
+    """S1 on every target, side by side: all the servers up at once (each warmed up with a tiny run), the CPUs left
+    to go quiet (``wait_until_quiet``), then ``repeats`` rounds, each running S1 once on every server with the same
+    request list (seed = round), the servers' order rotated each round. A spell of host slowness then falls on one
+    round of every server rather than on all runs of one, and each round's figures compare within the round.
 
     Returns per target name {medians of ``S1_KEYS``, "runs" (each with its "round")} or {"error": reason}."""
     results: dict[str, dict] = {}
@@ -195,6 +229,7 @@ def run_s1_rounds(targets: list[S1Target], workload: Workload, repeats: int) -> 
             except (ServerError, RuntimeError) as exc:
                 results[target.name] = {"error": last_line(exc)}
                 log(f"S1 {target.name}: {results[target.name]['error']}")
+        log(f"S1: the machine quiet {wait_until_quiet():.1f} s after the last server's warm-up")
         runs: dict[str, list[dict]] = {target.name: [] for target, _ in live}
         for r in range(repeats):
             first = r % len(live) if live else 0
