@@ -4,7 +4,8 @@ Rows (medians of --repeats runs):
   decode, 1 request (llama-bench tg128)      prefill, 512-token prompt (llama-bench pp512)
   decode, batch 32 (llama-batched-bench S_TG, npp 128 / ntg 128 / npl 32, or the same shape for the others)
   S1 serving (64 prompts x 256 in / 128 out random, concurrency 32, `twophase bench serve` as the client):
-      output tok/s, TTFT p99, TPOT p99, failed requests. Every column's server is up at once and S1 runs in rounds,
+      output tok/s, TTFT p99, TPOT p99, failed requests. Every column's server is up at once and, once the CPUs
+      are quiet (the servers' own start-up work done), S1 runs in rounds,
       once a server a round (order rotated), so a slow spell of a shared host falls on one round of every column,
       not on every run of one; the report adds each round's figures and twophase's ratio to the best peer in it.
   floor: measured read bandwidth / weight bytes (the most decode tok/s one request can get)
