@@ -424,6 +424,23 @@ def test_paged_attention_bf16_q_out() -> None:
     torch.testing.assert_close(out.double(), ref, rtol=8e-3, atol=8e-3)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("dot", [False, True])
+def test_paged_attention_stores_bfloat16_rows_beside_float32_queries(cache_dtype: torch.dtype, dot: bool) -> None:
+    """A bfloat16 out beside float32 queries (the decoder stack's input to a projection that rounds it): every row
+    the float32 out's value rounded once, decode rows (one work item a request and whole-slot items), prefill chunks,
+    on the float32 kernels and on the dot products; a float32 cache keeps a float32 out."""
+    q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(cache_dtype, 16, seed=11, extra_decodes=_many_decodes(),
+                                                          dim=64)
+    options = {"dot_min_queries": 9} if dot and K.bf16_gemm_available() else {}
+    wide, narrow = torch.empty_like(q), torch.empty(q.shape, dtype=torch.bfloat16)
+    K.paged_attention(wide, q, kc, vc, tables, seq_lens, qsl, 16, scale, **options)
+    K.paged_attention(narrow, q, kc, vc, tables, seq_lens, qsl, 16, scale, **options)
+    assert torch.equal(narrow.view(torch.int16), wide.bfloat16().view(torch.int16))
+    with pytest.raises(RuntimeError, match="bfloat16 beside float32 queries"):
+        K.paged_attention(narrow, q, kc.float(), vc.float(), tables, seq_lens, qsl, 16, scale)
+
+
 @pytest.mark.parametrize("products", ["sdpa", "dot"])
 @pytest.mark.parametrize("block_size", [16, 7])
 @pytest.mark.parametrize("strided", [False, True])
@@ -581,6 +598,33 @@ def test_fused_norms_and_silu(rows: int, dtype: torch.dtype) -> None:
     assert_matches(x_fast, x_ref)
     gate_up = (torch.randn(rows, 2 * 200, generator=g) * 4).to(dtype)  # F = 200: an AVX tail too
     assert_matches(FUSED.silu_and_mul(gate_up), EAGER.silu_and_mul(gate_up))
+
+
+@pytest.mark.parametrize("rows", [1, 7, 300])
+def test_norms_store_bfloat16_rows_as_a_gemm_rounds_them(rows: int) -> None:
+    """The decoder stack asks the norms for bfloat16 rows where the next projection rounds its float32 input to
+    bfloat16 anyway: the float32 result rounded once (NaN and a wide range of magnitudes included), the residual as
+    the in-place form leaves it, x untouched. H = 600: whole 256-value chunks and a tail."""
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 600, generator=g) * torch.logspace(-30, 30, rows)[:, None]
+    x[0, 5] = float("nan")
+    weight = 1 + 0.1 * torch.randn(600, generator=g)
+    def same(ours: torch.Tensor, theirs: torch.Tensor) -> None:  # bit for bit but NaN's payload
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True)
+
+    same(K.rms_norm(x, weight, 1e-5, bf16_out=True), K.rms_norm(x, weight, 1e-5).bfloat16())
+    residual = torch.randn(rows, 600, generator=g)
+    x_ref, res_ref, x_ours, res_ours = x.clone(), residual.clone(), x.clone(), residual.clone()
+    K.add_rms_norm_(x_ref, res_ref, weight, 1e-5)
+    out = torch.empty(rows, 600, dtype=torch.bfloat16)
+    K.add_rms_norm_(x_ours, res_ours, weight, 1e-5, out=out)
+    same(out, x_ref.bfloat16())
+    same(res_ours, res_ref)
+    assert torch.equal(x_ours.view(torch.int32), x.view(torch.int32))
+    with pytest.raises(RuntimeError, match="bfloat16 tensor of x's shape"):
+        K.add_rms_norm_(x_ours, res_ours, weight, 1e-5, out=torch.empty(rows, 600))
+    with pytest.raises(RuntimeError, match="float32 x"):
+        K.rms_norm(x.bfloat16(), weight.bfloat16(), 1e-5, bf16_out=True)
 
 
 class _RopeConfig:

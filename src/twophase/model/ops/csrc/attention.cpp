@@ -770,14 +770,15 @@ void begin_item(const Args& a, const WorkItem& w, const QT* q, Scratch& sc) {
   std::fill(sc.l.begin(), sc.l.begin() + rows, 0.f);
 }
 
-// Ends item w: each row's acc divided by its softmax sum, written to out in out's dtype.
-template <class QT>
-void finish_item(const Args& a, const WorkItem& w, QT* out, Scratch& sc) {
+// Ends item w: each row's acc divided by its softmax sum, written to out in out's dtype (bfloat16: that float32
+// quotient rounded once).
+template <class OT>
+void finish_item(const Args& a, const WorkItem& w, OT* out, Scratch& sc) {
   const ItemRows at(a, w);
   const int64_t D = a.D, tok0 = a.qsl[w.req], rows = w.rows(a.groups);
   auto out_row = [&](int64_t rr) { return out + (tok0 + at.query(rr)) * a.o_s0 + at.head(rr) * D; };
   for (int64_t rr = 0; rr < rows; ++rr) {
-    if (rr + kRowPrefetch < rows) prefetch_bytes(out_row(rr + kRowPrefetch), D * sizeof(QT));
+    if (rr + kRowPrefetch < rows) prefetch_bytes(out_row(rr + kRowPrefetch), D * sizeof(OT));
     scaled_copy(out_row(rr), sc.acc.data() + rr * D, sc.l[rr] > 0.f ? 1.f / sc.l[rr] : 0.f, D);
   }
 }
@@ -785,8 +786,8 @@ void finish_item(const Args& a, const WorkItem& w, QT* out, Scratch& sc) {
 // One work item: for each kv head g of [kv0, kv1), its (q1-q0) queries x groups heads; online softmax over key
 // chunks, every kv head's rows of a chunk before the next chunk. Row rr = ((g - kv0) * (q1-q0) + i - q0) * G + gh.
 // Each row's arithmetic is the same whatever the item's shape (batch invariance).
-template <class T, class QT>
-void attend(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc, const T* vc, Scratch& sc) {
+template <class T, class QT, class OT>
+void attend(const Args& a, const WorkItem& w, const QT* q, OT* out, const T* kc, const T* vc, Scratch& sc) {
   const int64_t D = a.D, G = a.groups, bs = a.block_size;  // bs: cache block size
   const int64_t start = a.seq_lens[w.req] - (a.qsl[w.req + 1] - a.qsl[w.req]);
   const int64_t per_head = (w.q1 - w.q0) * G;
@@ -923,8 +924,8 @@ inline void chunk_rows_bf16(const Args& a, const int8_t* kc, const int8_t* vc, i
 // end, with DOT_Q_TILE's items, took it from 117 to 105 ms (medians of 6 alternating runs). (Scores through a float32
 // buffer, softmax row by row on AVX2 and the probabilities transposed pair-major: 1.4x as long, session 29.)
 // An int8 cache's rows of each chunk are widened, scaled and rounded to bfloat16 rows first (sc.kdeq, sc.vdeq).
-template <class T, class QT>
-void attend_dot(const Args& a, const WorkItem& w, const QT* q, QT* out, const T* kc, const T* vc, Scratch& sc) {
+template <class T, class QT, class OT>
+void attend_dot(const Args& a, const WorkItem& w, const QT* q, OT* out, const T* kc, const T* vc, Scratch& sc) {
   constexpr int64_t D = 64, DP = D / 2, KP = KEY_CHUNK / 2;
   const int64_t bs = a.block_size, g = w.kv0, rows = w.rows(a.groups);
   const int64_t start = a.seq_lens[w.req] - (a.qsl[w.req + 1] - a.qsl[w.req]);
@@ -1038,8 +1039,8 @@ inline int32_t query_tile(const Args& a, int64_t q_len) {
 }
 
 // Runs all work items with dynamic scheduling over torch's intra-op threads.
-template <class T, class QT>
-void run_items(const Args& a, const std::vector<WorkItem>& items, const QT* q, QT* out, const T* kc, const T* vc) {
+template <class T, class QT, class OT>
+void run_items(const Args& a, const std::vector<WorkItem>& items, const QT* q, OT* out, const T* kc, const T* vc) {
   int64_t max_rows = 0;
   bool any_dot = false;
   for (const WorkItem& w : items) max_rows = std::max(max_rows, w.rows(a.groups)), any_dot |= takes_dot(a, w);
@@ -1048,10 +1049,10 @@ void run_items(const Args& a, const std::vector<WorkItem>& items, const QT* q, Q
               [&](int64_t i, Scratch& sc) {
 #ifdef TP_HAVE_BF16_DOT
                 if constexpr (!std::is_same_v<T, float>) {  // attend_dot reads bfloat16 and int8 caches
-                  if (takes_dot(a, items[i])) return attend_dot<T, QT>(a, items[i], q, out, kc, vc, sc);
+                  if (takes_dot(a, items[i])) return attend_dot<T, QT, OT>(a, items[i], q, out, kc, vc, sc);
                 }
 #endif
-                attend<T, QT>(a, items[i], q, out, kc, vc, sc);
+                attend<T, QT, OT>(a, items[i], q, out, kc, vc, sc);
               });
 }
 
@@ -1098,7 +1099,10 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2),
               "q's heads must be contiguous within a token (rows may be strided)");
-  TORCH_CHECK(q.scalar_type() == out.scalar_type(), "q and out must share a dtype");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type() ||
+                  (q.scalar_type() == at::kFloat && out.scalar_type() == at::kBFloat16 &&
+                   k_cache.scalar_type() != at::kFloat),
+              "out must be q's dtype, or bfloat16 beside float32 queries over a bfloat16 or int8 cache");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "caches must be [S, KVH, D]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k/v caches must share a dtype");
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "cache rows must be contiguous in D");
@@ -1160,19 +1164,19 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
                                 block_size, scale);
   if (items.empty()) return;
   auto bf = [](const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); };
-  if (ct == at::kChar) {
-    const int8_t *kc = k_cache.data_ptr<int8_t>(), *vc = v_cache.data_ptr<int8_t>();
-    if (qt == at::kFloat) run_items<int8_t, float>(a, items, q.data_ptr<float>(), out.data_ptr<float>(), kc, vc);
-    else run_items<int8_t, uint16_t>(a, items, bf(q), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()), kc, vc);
-  } else if (ct == at::kFloat) {
-    run_items<float, float>(a, items, q.data_ptr<float>(), out.data_ptr<float>(), k_cache.data_ptr<float>(),
-                            v_cache.data_ptr<float>());
-  } else if (qt == at::kFloat) {
-    run_items<uint16_t, float>(a, items, q.data_ptr<float>(), out.data_ptr<float>(), bf(k_cache), bf(v_cache));
-  } else {
-    run_items<uint16_t, uint16_t>(a, items, bf(q), reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
-                                  bf(k_cache), bf(v_cache));
-  }
+  // out in q's dtype, or bfloat16 beside float32 queries (a bfloat16 GEMM's input, rounded here once)
+  auto run = [&](const auto* kc, const auto* vc) {
+    using T = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
+    uint16_t* out16 =
+        out.scalar_type() == at::kBFloat16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
+    if (qt != at::kFloat) return run_items<T, uint16_t, uint16_t>(a, items, bf(q), out16, kc, vc);
+    if (out16 != nullptr) return run_items<T, float, uint16_t>(a, items, q.data_ptr<float>(), out16, kc, vc);
+    run_items<T, float, float>(a, items, q.data_ptr<float>(), out.data_ptr<float>(), kc, vc);
+  };
+  if (ct == at::kChar) run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
+  else if (ct == at::kBFloat16) run(bf(k_cache), bf(v_cache));
+  else run_items<float, float, float>(a, items, q.data_ptr<float>(), out.data_ptr<float>(), k_cache.data_ptr<float>(),
+                                      v_cache.data_ptr<float>());
 }
 
 }  // namespace tp

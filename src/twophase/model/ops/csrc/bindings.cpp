@@ -52,9 +52,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_gemm", &tp::int8_gemm, "y = x @ w.T on int8 products (x rounded per block of 32, w in int8 blocks)",
         py::arg("x"), py::arg("packed"), py::arg("negsum"), py::arg("scales"), py::arg("mins"), py::arg("n"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("rms_norm", &tp::rms_norm, "weight * rms_norm(x)", py::arg("x"), py::arg("weight"), py::arg("eps"));
-  m.def("add_rms_norm_", &tp::add_rms_norm_, "in place: residual += x; x = weight * rms_norm(residual)",
-        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"));
+  m.def("rms_norm", &tp::rms_norm, "weight * rms_norm(x) (bf16_out: a float32 x's result rounded once)",
+        py::arg("x"), py::arg("weight"), py::arg("eps"), py::arg("bf16_out") = false);
+  m.def("add_rms_norm_", &tp::add_rms_norm_,
+        "in place: residual += x; x = weight * rms_norm(residual) (given out: into it as bfloat16, x as it was)",
+        py::arg("x"), py::arg("residual"), py::arg("weight"), py::arg("eps"), py::arg("out") = py::none());
   m.def("silu_and_mul", &tp::silu_and_mul, "silu(gate) * up of gate_up [T, 2F]", py::arg("gate_up"));
   m.def("silu_and_mul_widened", &tp::silu_and_mul_widened,
         "silu(gate) * up of bfloat16 gate_up [T, 2F] in float32, rounded once to bfloat16", py::arg("gate_up"));

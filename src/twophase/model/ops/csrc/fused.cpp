@@ -64,12 +64,27 @@ double sum_squares(const T* x, int64_t n) {
   return ss;
 }
 
-// out = w * round(x * rsqrt(mean(x^2) + eps)) over one row of n (float32 statistics).
+// out = w * round(x * rsqrt(mean(x^2) + eps)) over one row of n (float32 statistics), in x's dtype.
 template <class T>
 void norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
   const double ss = sum_squares(x, n);
   const float r = 1.0f / std::sqrt(static_cast<float>(ss / n) + eps);
   for (int64_t i = 0; i < n; ++i) store(out, i, load(w, i) * round_to(load(x, i) * r, x));
+}
+
+// norm_row of a float32 row, its float32 result rounded once to bfloat16 (as convert rounds a bfloat16 GEMM's input
+// rows).
+void norm_row(uint16_t* out, const float* x, const float* w, int64_t n, float eps) {
+  const float r = 1.0f / std::sqrt(static_cast<float>(sum_squares(x, n) / n) + eps);
+  int64_t i = 0;
+#ifdef __AVX512F__
+  const __m512 rv = _mm512_set1_ps(r);
+  for (; i + 16 <= n; i += 16) {
+    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(_mm512_loadu_ps(x + i), rv));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), bf16x16_of(v));
+  }
+#endif
+  for (; i < n; ++i) out[i] = f32_to_bf16(w[i] * (x[i] * r));
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& w, const char* what) {
@@ -79,15 +94,16 @@ void check_rows(const at::Tensor& x, const at::Tensor& w, const char* what) {
   TORCH_CHECK(w.scalar_type() == x.scalar_type(), what, ": weight and x must share a dtype");
 }
 
-template <class T>
-void add_norm_impl(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w, float eps) {
+// residual += x, then each row's norm into op (x itself, or bfloat16 rows beside it)
+template <class T, class O>
+void add_norm_impl(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& w, float eps, O* op) {
   const int64_t n = x.size(1);
   T *xp = ptr<T>(x), *rp = ptr<T>(residual);
   const T* wp = ptr<T>(w);
   for_rows(x.size(0), n, [&](int64_t r) {
     T *xr = xp + r * n, *rr = rp + r * n;
     for (int64_t i = 0; i < n; ++i) store(rr, i, load(rr, i) + load(xr, i));
-    norm_row(xr, rr, wp, n, eps);
+    norm_row(op + r * n, rr, wp, n, eps);
   });
 }
 
@@ -201,30 +217,39 @@ void rotary_cache_impl(const RopeArgs& a, at::Tensor& qkv, at::Tensor& k_cache, 
 
 }  // namespace
 
-// out [T,H] = weight * rms_norm(x) (float32 statistics, rounded as x's dtype).
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// out [T,H] = weight * rms_norm(x) (float32 statistics, rounded as x's dtype); bf16_out (x float32): that result
+// rounded once to bfloat16.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool bf16_out) {
   check_rows(x, weight, "rms_norm");
-  auto out = at::empty_like(x);
+  TORCH_CHECK(!bf16_out || x.scalar_type() == at::kFloat, "rms_norm: bf16_out rounds a float32 x's result");
+  auto out = at::empty_like(x, x.options().dtype(bf16_out ? at::kBFloat16 : x.scalar_type()));
   const int64_t n = x.size(1);
-  if (x.scalar_type() == at::kFloat) {
-    const float *xp = x.data_ptr<float>(), *wp = weight.data_ptr<float>();
-    float* op = out.data_ptr<float>();
+  auto rows = [&](const auto* xp, const auto* wp, auto* op) {
     for_rows(x.size(0), n, [&](int64_t r) { norm_row(op + r * n, xp + r * n, wp, n, (float)eps); });
-  } else {
-    const uint16_t *xp = ptr<uint16_t>(x), *wp = ptr<uint16_t>(weight);
-    uint16_t* op = ptr<uint16_t>(out);
-    for_rows(x.size(0), n, [&](int64_t r) { norm_row(op + r * n, xp + r * n, wp, n, (float)eps); });
-  }
+  };
+  if (x.scalar_type() == at::kBFloat16) rows(ptr<uint16_t>(x), ptr<uint16_t>(weight), ptr<uint16_t>(out));
+  else if (bf16_out) rows(ptr<float>(x), ptr<float>(weight), ptr<uint16_t>(out));
+  else rows(ptr<float>(x), ptr<float>(weight), ptr<float>(out));
   return out;
 }
 
-// In place: residual += x; x = weight * rms_norm(residual).
-void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps) {
+// In place: residual += x; x = weight * rms_norm(residual). Given out (bfloat16, x's shape, x float32): the norm goes
+// there, rounded once to bfloat16, and x is left as it was.
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps,
+                   const c10::optional<at::Tensor>& out) {
   check_rows(x, weight, "add_rms_norm_");
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.is_contiguous() &&
                   residual.scalar_type() == x.scalar_type(), "add_rms_norm_: residual must match x");
-  if (x.scalar_type() == at::kFloat) add_norm_impl<float>(x, residual, weight, (float)eps);
-  else add_norm_impl<uint16_t>(x, residual, weight, (float)eps);
+  if (out.has_value()) {
+    TORCH_CHECK(x.scalar_type() == at::kFloat && out->scalar_type() == at::kBFloat16 && out->sizes() == x.sizes() &&
+                    out->is_contiguous(),
+                "add_rms_norm_: out must be a contiguous bfloat16 tensor of x's shape (x float32)");
+    add_norm_impl<float>(x, residual, weight, (float)eps, ptr<uint16_t>(*out));
+  } else if (x.scalar_type() == at::kFloat) {
+    add_norm_impl<float>(x, residual, weight, (float)eps, ptr<float>(x));
+  } else {
+    add_norm_impl<uint16_t>(x, residual, weight, (float)eps, ptr<uint16_t>(x));
+  }
 }
 
 // gate_up [T, 2F] -> silu(gate) * up [T, F].

@@ -67,8 +67,11 @@ std::vector<at::Tensor> pack_int8_gemm(const at::Tensor& values, const at::Tenso
                                        const c10::optional<at::Tensor>& mins);
 at::Tensor int8_gemm(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& negsum,
                      const at::Tensor& scales, const c10::optional<at::Tensor>& mins, int64_t n);
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+// weight * rms_norm(x) [T, H] in x's dtype, or (bf16_out, x float32) that rounded once to bfloat16.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, bool bf16_out = false);
+// residual += x; x = weight * rms_norm(residual), or into out (bfloat16, x float32 and left as it was).
+void add_rms_norm_(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps,
+                   const c10::optional<at::Tensor>& out = c10::nullopt);
 at::Tensor silu_and_mul(const at::Tensor& gate_up);
 at::Tensor silu_and_mul_widened(const at::Tensor& gate_up);
 void rotary_cache_(at::Tensor& qkv, const at::Tensor& positions, const at::Tensor& cos, const at::Tensor& sin,

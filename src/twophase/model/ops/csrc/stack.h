@@ -34,6 +34,9 @@ class LinearOp {
   void set_int8_gemm(std::vector<at::Tensor> tensors, int64_t min_rows);
   // Whether `rows` rows take the GEMM on the weight copy, with a bfloat16 result before widening (no bias to add).
   bool gives_bfloat16(int64_t rows) const;
+  // Whether `rows` rows take a GEMM that rounds them to bfloat16 first (bf16_gemm, or torch's on a bfloat16 copy):
+  // then rows already rounded (as a norm or attention can store them) give the same bits.
+  bool rounds_rows(int64_t rows) const;
   // The GEMM's own result [M, N] in the copy's dtype (x in any float dtype): operator()'s values before widening.
   at::Tensor gemm_unwidened(const at::Tensor& x) const;
 
@@ -85,6 +88,9 @@ class DecoderStack {
 
  private:
   at::Tensor mlp(const StackLayer& layer, const at::Tensor& h) const;  // [T, hidden] -> [T, hidden]
+  // residual += x; weight * rms_norm(residual) [T, hidden]: x itself, in place, or bfloat16 rows where `next` (the
+  // projection they go to; null: none) rounds them anyway.
+  at::Tensor add_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, const LinearOp* next) const;
   std::vector<StackLayer> layers_;
   at::Tensor final_norm_, cos_, sin_;
   double eps_;
