@@ -111,7 +111,19 @@ def submit_all(llm: AsyncLLM, choices: list[Choice], cache_salt: str | None,
 
 async def merge_outputs(llm: AsyncLLM, choices: list[Choice], queues: list[asyncio.Queue]
                         ) -> AsyncIterator[tuple[int, RequestOutput]]:
-    """Yield ``(choice index, output)`` as each choice's outputs arrive; leaving early aborts the unfinished."""
+    """Yield ``(choice index, output)`` as each choice's outputs arrive; leaving early aborts the unfinished.
+    One choice (the usual request) is read from its own queue, without a forwarding task: one task switch and two
+    queue operations less a streamed token."""
+    if len(choices) == 1:
+        choice = choices[0]
+        outputs = llm.stream_outputs(choice.request_id, queues[0])
+        try:
+            async for output in outputs:
+                _check_transfer(output)
+                yield choice.index, output
+        finally:
+            await outputs.aclose()  # aborts the request if it has not finished
+        return
     merged: asyncio.Queue = asyncio.Queue()
     tasks = [asyncio.create_task(_pump(llm, c, q, merged)) for c, q in zip(choices, queues)]
     remaining = len(choices)
@@ -133,11 +145,16 @@ async def _pump(llm: AsyncLLM, choice: Choice, source: asyncio.Queue, sink: asyn
     """Forward one choice's outputs (or its error) into the merged queue."""
     try:
         async for output in llm.stream_outputs(choice.request_id, source):
-            if output.error is not None:  # e.g. its KV transfer failed: an error, not an empty answer
-                raise APIError(502, output.error, None, "kv_transfer_failed")
+            _check_transfer(output)
             sink.put_nowait((choice.index, output))
     except Exception as exc:  # noqa: BLE001 — delivered to the merged stream's reader
         sink.put_nowait((choice.index, exc))
+
+
+def _check_transfer(output: RequestOutput) -> None:
+    """An output carrying an error (e.g. its KV transfer failed) is an error, not an empty answer."""
+    if output.error is not None:
+        raise APIError(502, output.error, None, "kv_transfer_failed")
 
 
 async def collect_finals(http_request: HTTPRequest, stream: AsyncIterator[tuple[int, RequestOutput]],
