@@ -293,14 +293,15 @@ def test_decoder_stack_runs_the_last_layer_on_the_sampled_rows_alone(tiny_llama_
 
 
 @pytest.mark.parametrize("amx", [False, True])
-@pytest.mark.parametrize("cache", ["auto", "int8"])
+@pytest.mark.parametrize("cache", ["auto", "int8", "float32"])
 def test_decoder_stack_is_bit_identical_to_the_loop_under_bfloat16_gemms(tiny_llama_dir, monkeypatch, amx, cache):
     """With bfloat16 GEMM copies the stack hands gate_up's bfloat16 result to SiLU-and-mul unwidened
     (``silu_and_mul_widened``) where the loop widens it, then rounds the float32 product for down's GEMM; the norms
     and attention store bfloat16 rows for the projections after them, which the loop's GEMMs round themselves: the
     same logits bit for bit, over 75 rows (GEMMs), a 50-token prompt and a 5-token one (attention's float32 kernel),
-    over a bfloat16 (auto) and an int8 cache. As on an AMX CPU: oneDNN's GEMMs and the SDPA prefill; without AMX: the
-    AVX512-BF16 dot-product GEMM below 128 rows and prefill attention (where the kernels have them)."""
+    over a bfloat16 (auto), an int8 and a float32 cache. As on an AMX CPU: oneDNN's GEMMs and the SDPA prefill;
+    without AMX: the AVX512-BF16 dot-product GEMM below 128 rows and prefill attention (where the kernels have
+    them)."""
     from twophase.engine import hardware
 
     monkeypatch.setattr(hardware, "cpu_has_amx", lambda: amx)

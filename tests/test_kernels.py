@@ -424,12 +424,13 @@ def test_paged_attention_bf16_q_out() -> None:
     torch.testing.assert_close(out.double(), ref, rtol=8e-3, atol=8e-3)
 
 
-@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("dot", [False, True])
 def test_paged_attention_stores_bfloat16_rows_beside_float32_queries(cache_dtype: torch.dtype, dot: bool) -> None:
     """A bfloat16 out beside float32 queries (the decoder stack's input to a projection that rounds it): every row
     the float32 out's value rounded once, decode rows (one work item a request and whole-slot items), prefill chunks,
-    on the float32 kernels and on the dot products; a float32 cache keeps a float32 out."""
+    on the float32 kernels and on the dot products (bfloat16 and int8 caches); bfloat16 queries take their own dtype
+    out."""
     q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(cache_dtype, 16, seed=11, extra_decodes=_many_decodes(),
                                                           dim=64)
     options = {"dot_min_queries": 9} if dot and K.bf16_gemm_available() else {}
@@ -438,7 +439,7 @@ def test_paged_attention_stores_bfloat16_rows_beside_float32_queries(cache_dtype
     K.paged_attention(narrow, q, kc, vc, tables, seq_lens, qsl, 16, scale, **options)
     assert torch.equal(narrow.view(torch.int16), wide.bfloat16().view(torch.int16))
     with pytest.raises(RuntimeError, match="bfloat16 beside float32 queries"):
-        K.paged_attention(narrow, q, kc.float(), vc.float(), tables, seq_lens, qsl, 16, scale)
+        K.paged_attention(wide, q.bfloat16(), kc, vc, tables, seq_lens, qsl, 16, scale)
 
 
 @pytest.mark.parametrize("products", ["sdpa", "dot"])

@@ -15,8 +15,8 @@ Kernels (all CPU, OpenMP over torch's intra-op threads, AVX2/FMA with a scalar f
 - ``linear_q4_1(x, qs, d, m, bias=None)``: qs uint8 [N,K/2] (GGUF nibble order), d, m fp16 [N,K/32]; w = d*q + m;
   x rounded as for Q8_0.
 - ``paged_attention(out, q, k_cache, v_cache, block_tables, seq_lens, query_start_loc, block_size, scale)``:
-  writes ``out`` [T,H,D] (contiguous; q's dtype, or bfloat16 beside float32 queries over a bfloat16 / int8 cache: the
-  float32 result rounded once); q [T,H,D] may have rows further apart (a view of a fused QKV projection), its heads
+  writes ``out`` [T,H,D] (contiguous; q's dtype, or bfloat16 beside float32 queries: the float32 result rounded
+  once); q [T,H,D] may have rows further apart (a view of a fused QKV projection), its heads
   contiguous within a token; see ``reference_paged_attention`` in ``model/attention.py`` (the oracle).
 - fused layer ops (``csrc/fused.cpp``; float32 / bfloat16, rounding as the eager torch code they replace):
   ``rms_norm(x, weight, eps, bf16_out=False)``, ``add_rms_norm_(x, residual, weight, eps, out=None)`` (residual +=

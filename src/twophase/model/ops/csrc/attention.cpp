@@ -1100,9 +1100,8 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2),
               "q's heads must be contiguous within a token (rows may be strided)");
   TORCH_CHECK(q.scalar_type() == out.scalar_type() ||
-                  (q.scalar_type() == at::kFloat && out.scalar_type() == at::kBFloat16 &&
-                   k_cache.scalar_type() != at::kFloat),
-              "out must be q's dtype, or bfloat16 beside float32 queries over a bfloat16 or int8 cache");
+                  (q.scalar_type() == at::kFloat && out.scalar_type() == at::kBFloat16),
+              "out must be q's dtype, or bfloat16 beside float32 queries");
   TORCH_CHECK(k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "caches must be [S, KVH, D]");
   TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "k/v caches must share a dtype");
   TORCH_CHECK(k_cache.stride(2) == 1 && v_cache.stride(2) == 1, "cache rows must be contiguous in D");
@@ -1169,14 +1168,14 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
     using T = std::remove_const_t<std::remove_pointer_t<decltype(kc)>>;
     uint16_t* out16 =
         out.scalar_type() == at::kBFloat16 ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
-    if (qt != at::kFloat) return run_items<T, uint16_t, uint16_t>(a, items, bf(q), out16, kc, vc);
+    if constexpr (!std::is_same_v<T, float>)  // bfloat16 queries: over a bfloat16 or int8 cache (checked above)
+      if (qt != at::kFloat) return run_items<T, uint16_t, uint16_t>(a, items, bf(q), out16, kc, vc);
     if (out16 != nullptr) return run_items<T, float, uint16_t>(a, items, q.data_ptr<float>(), out16, kc, vc);
     run_items<T, float, float>(a, items, q.data_ptr<float>(), out.data_ptr<float>(), kc, vc);
   };
   if (ct == at::kChar) run(k_cache.data_ptr<int8_t>(), v_cache.data_ptr<int8_t>());
   else if (ct == at::kBFloat16) run(bf(k_cache), bf(v_cache));
-  else run_items<float, float, float>(a, items, q.data_ptr<float>(), out.data_ptr<float>(), k_cache.data_ptr<float>(),
-                                      v_cache.data_ptr<float>());
+  else run(k_cache.data_ptr<float>(), v_cache.data_ptr<float>());
 }
 
 }  // namespace tp

@@ -64,27 +64,30 @@ double sum_squares(const T* x, int64_t n) {
   return ss;
 }
 
-// out = w * round(x * rsqrt(mean(x^2) + eps)) over one row of n (float32 statistics), in x's dtype.
+// rsqrt(mean(x^2) + eps) of one row of n (float32 statistics).
+template <class T>
+float norm_scale(const T* x, int64_t n, float eps) {
+  return 1.0f / std::sqrt(static_cast<float>(sum_squares(x, n) / n) + eps);
+}
+
+// out = w * round(x * rsqrt(mean(x^2) + eps)) over one row of n, in x's dtype.
 template <class T>
 void norm_row(T* out, const T* x, const T* w, int64_t n, float eps) {
-  const double ss = sum_squares(x, n);
-  const float r = 1.0f / std::sqrt(static_cast<float>(ss / n) + eps);
+  const float r = norm_scale(x, n, eps);
   for (int64_t i = 0; i < n; ++i) store(out, i, load(w, i) * round_to(load(x, i) * r, x));
 }
 
-// norm_row of a float32 row, its float32 result rounded once to bfloat16 (as convert rounds a bfloat16 GEMM's input
-// rows).
+// norm_row of a float32 row, its float32 result rounded once to bfloat16 by convert (as a bfloat16 GEMM rounds its
+// input rows), a chunk at a time through a float32 buffer in L1.
 void norm_row(uint16_t* out, const float* x, const float* w, int64_t n, float eps) {
-  const float r = 1.0f / std::sqrt(static_cast<float>(sum_squares(x, n) / n) + eps);
-  int64_t i = 0;
-#ifdef __AVX512F__
-  const __m512 rv = _mm512_set1_ps(r);
-  for (; i + 16 <= n; i += 16) {
-    const __m512 v = _mm512_mul_ps(_mm512_loadu_ps(w + i), _mm512_mul_ps(_mm512_loadu_ps(x + i), rv));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), bf16x16_of(v));
+  constexpr int64_t kChunk = 256;
+  float buf[kChunk];
+  const float r = norm_scale(x, n, eps);
+  for (int64_t i0 = 0; i0 < n; i0 += kChunk) {
+    const int64_t len = std::min(kChunk, n - i0);
+    for (int64_t i = 0; i < len; ++i) buf[i] = w[i0 + i] * (x[i0 + i] * r);
+    convert(out + i0, buf, len);
   }
-#endif
-  for (; i < n; ++i) out[i] = f32_to_bf16(w[i] * (x[i] * r));
 }
 
 void check_rows(const at::Tensor& x, const at::Tensor& w, const char* what) {

@@ -80,14 +80,13 @@ at::Tensor LinearOp::gemm_unwidened(const at::Tensor& x) const {
   return prepacked ? linear_prepacked(xg, gemm_packed_) : at::linear(xg, gemm_weight_);
 }
 
-bool LinearOp::gives_bfloat16(int64_t rows) const {
-  const bool bf16_gemm_result = takes_dot() || (gemm_weight_.defined() && gemm_weight_.scalar_type() == at::kBFloat16);
-  return takes_gemm(rows) && bf16_gemm_result && !(bias_.has_value() && bias_->defined());
-}
-
 bool LinearOp::rounds_rows(int64_t rows) const {
   const bool bf16_copy = gemm_weight_.defined() && gemm_weight_.scalar_type() == at::kBFloat16;
   return takes_gemm(rows) && int8_.empty() && (takes_dot() || bf16_copy);
+}
+
+bool LinearOp::gives_bfloat16(int64_t rows) const {
+  return rounds_rows(rows) && !(bias_.has_value() && bias_->defined());  // those GEMMs round their result too
 }
 
 at::Tensor LinearOp::gemm(const at::Tensor& x) const {
@@ -223,9 +222,8 @@ at::Tensor DecoderStack::forward(at::Tensor residual, const at::Tensor& position
       qsl = &last_qsl;
     }
     const int64_t rows_now = q.size(0);
-    const bool attn_bf16 = layer.o.rounds_rows(rows_now) && k_caches_[i].scalar_type() != at::kFloat;
-    at::Tensor attn = at::empty({rows_now, heads_, head_dim_}, qkv.options().dtype(attn_bf16 ? at::kBFloat16
-                                                                                             : at::kFloat));
+    const at::ScalarType attn_dtype = layer.o.rounds_rows(rows_now) ? at::kBFloat16 : at::kFloat;
+    at::Tensor attn = at::empty({rows_now, heads_, head_dim_}, qkv.options().dtype(attn_dtype));
     tp::paged_attention(attn, q, k_caches_[i], v_caches_[i], block_tables, seq_lens, *qsl, block_size, scale,
                         dense_min_queries_, dot_min_queries_);
     h = layer.o(attn.view({rows_now, q_size}));  // [rows, hidden] float32

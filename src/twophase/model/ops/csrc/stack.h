@@ -32,11 +32,11 @@ class LinearOp {
   // blocks: packed values, negsum, scales[, mins]) instead of its kernel: the same quantities (x rounded to int8
   // blocks, the blocks' products summed exactly) at AVX512-VNNI's rate; float32 sums in another order.
   void set_int8_gemm(std::vector<at::Tensor> tensors, int64_t min_rows);
-  // Whether `rows` rows take the GEMM on the weight copy, with a bfloat16 result before widening (no bias to add).
-  bool gives_bfloat16(int64_t rows) const;
   // Whether `rows` rows take a GEMM that rounds them to bfloat16 first (bf16_gemm, or torch's on a bfloat16 copy):
   // then rows already rounded (as a norm or attention can store them) give the same bits.
   bool rounds_rows(int64_t rows) const;
+  // Whether `rows` rows take such a GEMM with a bfloat16 result before widening (no bias to add).
+  bool gives_bfloat16(int64_t rows) const;
   // The GEMM's own result [M, N] in the copy's dtype (x in any float dtype): operator()'s values before widening.
   at::Tensor gemm_unwidened(const at::Tensor& x) const;
 
