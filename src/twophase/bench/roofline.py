@@ -128,6 +128,48 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, n: int, repeats: in
     return 2 * n**3 / seconds
 
 
+def instruction_peak(dtype: torch.dtype, seconds: float = 0.2) -> float | None:
+    """FLOP/s of this CPU's matmul instruction for ``dtype`` (bfloat16: ``vdpbf16ps``, float32: the widest FMA) on
+    every torch thread at once: the compute floor a GEMM is measured against (a GEMM of torch's runs below it). From
+    our kernels; None where they are not built or the CPU lacks the instruction."""
+    from twophase.model.ops.extension import load_kernels
+
+    kernels = load_kernels()
+    if kernels is None or not hasattr(kernels, "instruction_peak"):
+        return None
+    try:
+        return kernels.instruction_peak(dtype_name(dtype), seconds)
+    except RuntimeError:  # the build has no such instruction
+        return None
+
+
+def time_floor(cost: StepCost, peak_flops: float, bandwidth: float) -> float:
+    """Seconds no engine can beat for a step of ``cost`` on this machine: its FLOPs at the peak or its bytes at the
+    bandwidth, whichever takes longer."""
+    return max(cost.flops / peak_flops, cost.bytes / bandwidth)
+
+
+def decode_floor(config: ModelConfig, batch: int, context: int, steps: int, bytes_per_elem: float,
+                 peak_flops: float, bandwidth: float) -> float:
+    """Seconds of ``steps`` decode steps of ``batch`` sequences whose context grows from ``context`` tokens."""
+    return sum(time_floor(step_cost(config, 1, context + t, batch, bytes_per_elem), peak_flops, bandwidth)
+               for t in range(steps))
+
+
+def serving_floor(config: ModelConfig, num_prompts: int, input_len: int, output_len: int, concurrency: int,
+                  bytes_per_elem: float, peak_flops: float, bandwidth: float) -> float:
+    """Output tok/s no engine can beat serving ``num_prompts`` prompts of ``input_len`` tokens, ``output_len`` out,
+    ``concurrency`` at a time: waves of ``concurrency`` prompts, each one prefill (the first token) and
+    ``output_len - 1`` decode steps of the whole wave, at ``time_floor`` a step."""
+    seconds, left = 0.0, num_prompts
+    while left > 0:
+        wave = min(concurrency, left)
+        seconds += time_floor(step_cost(config, input_len, 0, wave, bytes_per_elem), peak_flops, bandwidth)
+        seconds += decode_floor(config, wave, input_len, output_len - 1, bytes_per_elem, peak_flops, bandwidth)
+        left -= wave
+    return num_prompts * output_len / seconds
+
+
 def measure_ceilings(
     device: torch.device, dtypes: Sequence[torch.dtype], copy_bytes: int | None = None, gemm_n: int | None = None
 ) -> Ceilings:

@@ -26,6 +26,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("out"), py::arg("fmt"), py::arg("packed"));
   m.def("block_panels_equal", &tp::block_panels_equal, "whether block panels widen to exactly a float32 weight",
         py::arg("panels"), py::arg("weight"));
+  m.def("instruction_peak", &tp::instruction_peak,
+        "FLOP/s of the CPU's matmul instruction for a dtype ('bfloat16' or 'float32') on every thread at once",
+        py::arg("dtype"), py::arg("seconds") = 0.2, py::call_guard<py::gil_scoped_release>());
   m.def("argmax_rows", &tp::argmax_rows, "each row's first maximum (NaN as the maximum), as torch.max's indices",
         py::arg("logits"));
   m.def("top_p_mask_", &tp::top_p_mask_, "in place: -inf outside each row's top-p set (selection, no sort)",

@@ -31,6 +31,12 @@ void pack_block_panels_(at::Tensor& out, const std::string& fmt, const std::vect
 // Whether the block panels widen to exactly weight [N, K] float32, value for value (as torch.equal).
 bool block_panels_equal(const at::Tensor& panels, const at::Tensor& weight);
 
+// ---- the compute floor (peak.cpp) ----
+// FLOP/s of this CPU's matmul instruction for dtype ('bfloat16': vdpbf16ps, 'float32': the widest FMA) on every
+// thread of the team at once, over ~seconds: the floor the GEMMs are measured against. Raises where the build lacks
+// the instruction.
+double instruction_peak(const std::string& dtype, double seconds);
+
 // ---- sampling (sampling.cpp) ----
 // In place: each row of logits [rows, vocab] float32 keeps the smallest best-first set whose probability reaches
 // top_p [rows] (an entry is kept while the mass above it is below top_p; the best always), the rest set to -inf.
