@@ -19,36 +19,30 @@ using PassFn = void (*)(int64_t);
   TP_X4(op, 12, 13, 14, 15) TP_X4(op, 16, 17, 18, 19) TP_X4(op, 20, 21, 22, 23)
 #define TP_ZERO(i) "vpxord %%zmm" #i ", %%zmm" #i ", %%zmm" #i "\n\t"
 
+// n passes of the 24 instructions op(0) .. op(23) on zmm0-23, every one reading zmm30 and zmm31 (zeros: no
+// subnormal can slow a lane)
+#define TP_ZMM_PASSES(name, op)                                                                                      \
+  void name(int64_t n) {                                                                                             \
+    __asm__ volatile(TP_X24(TP_ZERO) TP_ZERO(30) TP_ZERO(31) "1:\n\t" TP_X24(op) "dec %0\n\t"                       \
+                     "jnz 1b\n\t"                                                                                   \
+                     "vzeroupper\n\t"                                                                               \
+                     : "+r"(n)                                                                                       \
+                     :                                                                                               \
+                     : "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9", "zmm10",      \
+                       "zmm11", "zmm12", "zmm13", "zmm14", "zmm15", "zmm16", "zmm17", "zmm18", "zmm19", "zmm20",     \
+                       "zmm21", "zmm22", "zmm23", "zmm30", "zmm31", "cc");                                           \
+  }
+
 #if defined(__AVX512BF16__)
 #define TP_DPBF16(i) "vdpbf16ps %%zmm30, %%zmm31, %%zmm" #i "\n\t"
 constexpr double kBf16PassFlops = 24 * 16 * 4;  // 24 instructions x 16 lanes x (2 products + 2 sums)
-void bf16_passes(int64_t n) {  // the operands are zeros: no subnormal can slow a lane
-  __asm__ volatile(TP_X24(TP_ZERO) TP_ZERO(30) TP_ZERO(31)
-                   "1:\n\t" TP_X24(TP_DPBF16) "dec %0\n\t"
-                   "jnz 1b\n\t"
-                   "vzeroupper\n\t"
-                   : "+r"(n)
-                   :
-                   : "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9", "zmm10", "zmm11",
-                     "zmm12", "zmm13", "zmm14", "zmm15", "zmm16", "zmm17", "zmm18", "zmm19", "zmm20", "zmm21", "zmm22",
-                     "zmm23", "zmm30", "zmm31", "cc");
-}
+TP_ZMM_PASSES(bf16_passes, TP_DPBF16)
 #endif
 
 #if defined(__AVX512F__)
 #define TP_FMA(i) "vfmadd231ps %%zmm30, %%zmm31, %%zmm" #i "\n\t"
 constexpr double kF32PassFlops = 24 * 16 * 2;  // 24 instructions x 16 lanes x (a product + a sum)
-void f32_passes(int64_t n) {
-  __asm__ volatile(TP_X24(TP_ZERO) TP_ZERO(30) TP_ZERO(31)
-                   "1:\n\t" TP_X24(TP_FMA) "dec %0\n\t"
-                   "jnz 1b\n\t"
-                   "vzeroupper\n\t"
-                   : "+r"(n)
-                   :
-                   : "zmm0", "zmm1", "zmm2", "zmm3", "zmm4", "zmm5", "zmm6", "zmm7", "zmm8", "zmm9", "zmm10", "zmm11",
-                     "zmm12", "zmm13", "zmm14", "zmm15", "zmm16", "zmm17", "zmm18", "zmm19", "zmm20", "zmm21", "zmm22",
-                     "zmm23", "zmm30", "zmm31", "cc");
-}
+TP_ZMM_PASSES(f32_passes, TP_FMA)
 #elif defined(__AVX2__) && defined(__FMA__)
 #define TP_ZERO_Y(i) "vpxor %%ymm" #i ", %%ymm" #i ", %%ymm" #i "\n\t"
 #define TP_FMA_Y(i) "vfmadd231ps %%ymm14, %%ymm15, %%ymm" #i "\n\t"
