@@ -339,13 +339,14 @@ def main(argv: list[str] | None = None) -> int:
         res = col["result"]
         if "unavailable" not in res and res.get("weight_bytes"):
             res["floor"] = bandwidth / res["weight_bytes"]
-    defaults = next((c["result"] for c in columns if c["peer"] == "twophase" and not c["args"]), {})
-    floor = defaults.get("floor") or bandwidth / (config.num_params * DTYPE_BYTES.get(base_dtype, 4))
+    floor = bandwidth / twophase_weight_bytes(config.num_params, base_dtype, "", source)  # the defaults' bytes a step
     floors = {"tg": floor, "floor": floor}
     if peak is not None:
         floors.update(compute_floors(config, shapes, workload, peak, bandwidth, DTYPE_BYTES.get(gemm, 4)))
-    peak_note = (f"the {gemm} matmul instruction's peak ({peak / 1e9:.1f} GFLOP/s on {torch.get_num_threads()} threads) "
-                 if peak is not None else "(no instruction peak: the kernels are not built) ")
+    compute_note = (f"prefill, batch and S1: the work's FLOPs at the {gemm} matmul instruction's peak ({peak / 1e9:.1f} "
+                    f"GFLOP/s on {torch.get_num_threads()} threads) or its {gemm} bytes at the read bandwidth, "
+                    "whichever is slower a step" if peak is not None
+                    else "prefill, batch and S1: none (the kernels that measure the instruction's peak are not built)")
 
     header = [
         f"# twophase vs llama.cpp vs vLLM CPU — {source.name}",
@@ -357,8 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         f"- medians of {repeats} run(s){' — QUICK smoke shapes, not the reference ones' if args.quick else ''}",
         f"- S1: {workload.describe() if workload else 'skipped'}; client `twophase bench serve` for every server; "
         "every server up at once, one run each a round",
-        f"- floor column: decode, 1 request: bandwidth / the weight bytes twophase's defaults read a step; prefill, batch and "
-        f"S1: the work's FLOPs at {peak_note}or its {gemm} bytes at the read bandwidth, whichever is slower a step; "
+        f"- floor column: decode, 1 request: bandwidth / the weight bytes twophase's defaults read a step; {compute_note}; "
         "floor row: bandwidth / weight bytes per column (GGUF file size for llama.cpp)",
         "",
     ]

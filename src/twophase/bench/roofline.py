@@ -135,7 +135,7 @@ def instruction_peak(dtype: torch.dtype, seconds: float = 0.2) -> float | None:
     from twophase.model.ops.extension import load_kernels
 
     kernels = load_kernels()
-    if kernels is None or not hasattr(kernels, "instruction_peak"):
+    if kernels is None:
         return None
     try:
         return kernels.instruction_peak(dtype_name(dtype), seconds)
