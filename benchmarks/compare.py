@@ -282,7 +282,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     model = str(source)
     config = open_model_source(model).config
-    base_dtype = twophase_peer.resolved_dtype(model, "")
+    base_dtype, gemm = twophase_peer.engine_dtypes(model, "")
 
     if args.install:
         if "llamacpp" in args.only and not llamacpp.installed():
@@ -296,15 +296,14 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     bandwidth = measure_bandwidth()
     log(f"read bandwidth {bandwidth / 1e9:.1f} GB/s")
-    gemm = twophase_peer.gemm_dtype(model, "")
     peak = instruction_peak(getattr(torch, gemm))  # while the CPUs are quiet, as the bandwidth
     log(f"{gemm} matmul instruction: {peak / 1e9:.1f} GFLOP/s" if peak is not None else f"{gemm}: no instruction peak")
     columns: list[dict] = []
 
     if "twophase" in args.only:
         for extra in ["", *args.twophase_args]:
-            dtype = twophase_peer.resolved_dtype(model, extra)
-            name = f"twophase {dtype}{twophase_peer.gemm_note(model, extra)}" + (f" `{extra}`" if extra else " (defaults)")
+            dtype, column_gemm = twophase_peer.engine_dtypes(model, extra)
+            name = f"twophase {dtype}{twophase_peer.gemm_note(dtype, column_gemm)}" + (f" `{extra}`" if extra else " (defaults)")
             log(f"== {name}")
             res = run_twophase(model, extra, shapes, repeats)
             res["weight_bytes"] = twophase_weight_bytes(config.num_params, dtype, extra, source)

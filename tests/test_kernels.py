@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from twophase.engine import hardware
 from twophase.model.ops import extension
 from twophase.model.ops.linear import pack_panels
 from twophase.model.ops.quant import (
@@ -698,18 +699,9 @@ def test_fused_rotary_cache_rejects_bad_slot() -> None:
 # ---- the compute floor ----------------------------------------------------------------------------------------------
 
 
-def cpu_flags() -> set[str]:
-    """This CPU's ISA flags from /proc/cpuinfo (empty where there is none)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(line.split(":", 1)[1].split()) for line in f if line.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
 def test_instruction_peak_measures_the_float32_fma_and_refuses_other_dtypes():
     """A rate of the CPU's FMA on every thread: positive and finite; an unknown dtype or a zero time is an error."""
-    if not any(flag in cpu_flags() for flag in ("fma", "avx512f")):
+    if not any(flag in hardware.cpu_flags() for flag in ("fma", "avx512f")):
         pytest.skip("this CPU has no FMA instruction the kernels measure")
     rate = K.instruction_peak("float32", 0.02)  # FLOP/s
     assert 1e8 < rate < 1e15  # a real CPU's team of threads: more than 0.1 GFLOP/s, less than a PFLOP/s

@@ -31,23 +31,19 @@ def parse_engine_args(model: str, extra: str) -> argparse.Namespace:
     return args
 
 
-def resolved_dtype(model: str, extra: str) -> str:
-    """The torch dtype name the engine will run in ('auto' resolved as the engine does)."""
-    config = engine_config_from_args(parse_engine_args(model, extra))
-    return str(engine_dtype(config, open_model_source(config.model))).removeprefix("torch.")
-
-
-def gemm_dtype(model: str, extra: str) -> str:
-    """The torch dtype name of the engine's multi-row projections (its own dtype unless the GEMMs round to another)."""
+def engine_dtypes(model: str, extra: str) -> tuple[str, str]:
+    """(the dtype the engine will run in, that of its multi-row projections) as torch dtype names, 'auto' resolved
+    as the engine does: the GEMMs' is the engine's own unless they round to another."""
     config = engine_config_from_args(parse_engine_args(model, extra))
     source = open_model_source(config.model)
-    return str(resolve_gemm_dtype(config, source) or engine_dtype(config, source)).removeprefix("torch.")
+    dtype = engine_dtype(config, source)
+    gemm = resolve_gemm_dtype(config, source) or dtype
+    return str(dtype).removeprefix("torch."), str(gemm).removeprefix("torch.")
 
 
-def gemm_note(model: str, extra: str) -> str:
+def gemm_note(dtype: str, gemm: str) -> str:
     """' (bfloat16 GEMMs)' where the engine runs its multi-row projections in another dtype than its own, else ''."""
-    gemm = gemm_dtype(model, extra)
-    return "" if gemm == resolved_dtype(model, extra) else f" ({gemm} GEMMs)"
+    return "" if gemm == dtype else f" ({gemm} GEMMs)"
 
 
 def bench_engine(model: str, extra: str, shapes: dict, repeats: int) -> dict[str, float]:
