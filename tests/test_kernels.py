@@ -107,6 +107,22 @@ def test_bf16_gemm_rows_do_not_depend_on_the_batch() -> None:
         assert torch.equal(together, alone), m
 
 
+def test_bf16_gemm_packs_into_a_given_tensor() -> None:
+    """pack_bf16_gemm(w, out) (the engine's copy in huge-page memory) writes out whatever it held, the last panel's
+    columns past N as zeros, the same bytes as the tensor it allocates itself; a wrong shape or dtype is refused."""
+    g = torch.Generator().manual_seed(5)
+    for n in (64, 67):  # whole panels, and a tail of 3
+        w = torch.randn(n, 576, generator=g).bfloat16()
+        own = K.pack_bf16_gemm(w)
+        given = torch.full(own.shape, float("nan"), dtype=torch.bfloat16)
+        assert K.pack_bf16_gemm(w, given) is not None
+        assert torch.equal(given.view(torch.int16), own.view(torch.int16)), n
+    with pytest.raises(RuntimeError, match="out must be"):
+        K.pack_bf16_gemm(w, torch.empty(2, 288, 32, 2, dtype=torch.bfloat16))
+    with pytest.raises(RuntimeError, match="out must be"):
+        K.pack_bf16_gemm(w, torch.empty(own.shape, dtype=torch.float32))
+
+
 def test_bf16_gemm_checks_its_arguments() -> None:
     """Odd K is refused when packing; a weight of another K or N, or a build without AVX512-BF16, when multiplying."""
     with pytest.raises(RuntimeError, match="even"):

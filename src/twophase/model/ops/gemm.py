@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from twophase.model.ops.huge_pages import arena
 from twophase.model.ops.linear import PanelLinear
 
 # Rows from which a projection with a GEMM weight (``use_gemm_weights``) takes torch's bfloat16 GEMM instead of its
@@ -24,6 +25,7 @@ GEMM_MIN_ROWS = 8
 # 16.9, 7 rows 24.0 / 16.3, 8 rows 16.3 / 15.9. From 2 rows: 2 rows 9.2 against 12.0, 3 rows 10.4 / 12.7, 4 rows
 # 12.6 / 13.6 (session 27).
 DOT_MIN_ROWS = 5
+DOT_COLS = 32  # outputs a panel of the dot-product GEMM's weight (csrc/dot_bf16.h kDotCols)
 # Rows below which the GEMM runs on a copy oneDNN reordered once (``prepack_for_onednn``) instead of reordering the
 # weight on every call: same shapes, 2 threads, bfloat16, packed for 32 rows: 3072 x 576 at 16 / 32 / 64 rows
 # 96 / 126 / 223 us against 156 / 189 / 273, the same bits; at 544 rows 1,070 against 1,143 us, but 576 x 1536
@@ -77,13 +79,19 @@ def use_dot_weight(op, weight: torch.Tensor, min_rows: int) -> bool:
     cores, SmolLM2's four layer shapes at 32 rows took 1.19-1.40x less time than oneDNN's reordered copy, at 8-16
     rows 1.5-2.5x less (``docs/runs/compare-cpu/README.md``, session 24). Tried and dropped for GGUF block weights:
     widening each Q4_1 panel to bfloat16 in the thread's scratch instead of reading this 2-byte copy, 3.2x fewer bytes
-    but ~5 ms of widening over the model's 120 matrices, 1.07-1.13x slower at 8-100 rows (session 27)."""
+    but ~5 ms of widening over the model's 120 matrices, 1.07-1.13x slower at 8-100 rows (session 27).
+    The copy lies in the huge-page arena, as the panel kernels' weights do: a batched decode step streams it whole.
+    32 rows over the 120 matrices, 2 Zen 4 cores, alternating in one process: 17.67 -> 17.17 ms (the head alone 4.57
+    -> 4.47); 2,048 rows unchanged (1,054 / 1,056 ms)."""
     from twophase.model.ops.extension import load_kernels
 
     kernels = load_kernels()
     if kernels is None or not kernels.bf16_gemm_available() or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
         return False
-    op.set_dot_weight(kernels.pack_bf16_gemm(weight), min_rows)  # [panels, in / 2, 32, 2]
+    out, k = weight.shape
+    packed = arena().empty((-(-out // DOT_COLS), k // 2, DOT_COLS, 2), torch.bfloat16)  # streamed: 2 MiB pages
+    kernels.pack_bf16_gemm(weight, packed)
+    op.set_dot_weight(packed, min_rows)  # [panels, in / 2, 32, 2]
     return True
 
 

@@ -44,8 +44,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_qk_available", &tp::int8_qk_available,
         "whether attention over an int8 cache scores on AVX512-VNNI (queries rounded to int8 rows)");
   m.def("bf16_gemm_available", &tp::bf16_gemm_available, "whether bf16_gemm was built (AVX512-BF16)");
-  m.def("pack_bf16_gemm", &tp::pack_bf16_gemm, "a bfloat16 weight [n, k] in bf16_gemm's panel layout",
-        py::arg("weight"));
+  m.def("pack_bf16_gemm", &tp::pack_bf16_gemm,
+        "a bfloat16 weight [n, k] in bf16_gemm's panel layout [ceil(n / 32), k / 2, 32, 2], written into `out` where given",
+        py::arg("weight"), py::arg("out") = py::none());
   m.def("bf16_gemm", &tp::bf16_gemm, "y = x @ w.T on bfloat16 dot products (w packed by pack_bf16_gemm)",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bf16_out"), py::call_guard<py::gil_scoped_release>());
   m.def("int8_gemm_available", &tp::int8_gemm_available, "whether int8_gemm was built (AVX512-VNNI)");

@@ -31,13 +31,22 @@ bool bf16_gemm_available() {
 #endif
 }
 
-at::Tensor pack_bf16_gemm(const at::Tensor& weight) {
+at::Tensor pack_bf16_gemm(const at::Tensor& weight, const c10::optional<at::Tensor>& into) {
   TORCH_CHECK(weight.dim() == 2 && weight.scalar_type() == at::kBFloat16, "pack_bf16_gemm: a bfloat16 [N, K] weight");
   const int64_t N = weight.size(0), K = weight.size(1);
   TORCH_CHECK(K % 2 == 0 && K > 0, "pack_bf16_gemm: K must be even (the products go in pairs of k)");
   const int64_t P = (N + kDotCols - 1) / kDotCols, pairs = K / 2;
   const at::Tensor w = weight.contiguous();
-  at::Tensor out = at::zeros({P, pairs, kDotCols, 2}, weight.options());  // columns past N stay zero
+  at::Tensor out;
+  if (into) {
+    out = *into;
+    TORCH_CHECK(out.sizes() == at::IntArrayRef({P, pairs, kDotCols, 2}) && out.scalar_type() == at::kBFloat16 &&
+                    out.is_contiguous(),
+                "pack_bf16_gemm: out must be a contiguous bfloat16 [", P, ", ", pairs, ", ", kDotCols, ", 2] tensor");
+    if (N % kDotCols) out[P - 1].zero_();  // the last panel's columns past N
+  } else {
+    out = at::zeros({P, pairs, kDotCols, 2}, weight.options());  // columns past N stay zero
+  }
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
