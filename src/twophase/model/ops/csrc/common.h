@@ -51,6 +51,22 @@ void dynamic_for(int64_t n, const MakeState& make_state, const Body& body) {
   });
 }
 
+// body(i, next, state) for every i in [0, n), one item a claim, each thread claiming its next item (next; -1: none)
+// before it runs this one, so that the item can fetch the next one's first data while it finishes.
+template <class MakeState, class Body>
+void claim_ahead(int64_t n, const MakeState& make_state, const Body& body) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    auto state = make_state();
+    int64_t i = next.fetch_add(1, std::memory_order_relaxed);
+    while (i < n) {
+      const int64_t j = next.fetch_add(1, std::memory_order_relaxed);
+      body(i, j < n ? j : int64_t{-1}, state);
+      i = j;
+    }
+  });
+}
+
 // claim_runs with runs of the units left / (2 x threads), at least one: long runs first, short ones at the end, so
 // that the threads finish together (with items of a fixed size, one thread starting a little late leaves the other a
 // whole extra item).
