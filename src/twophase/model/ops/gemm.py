@@ -25,7 +25,6 @@ GEMM_MIN_ROWS = 8
 # 16.9, 7 rows 24.0 / 16.3, 8 rows 16.3 / 15.9. From 2 rows: 2 rows 9.2 against 12.0, 3 rows 10.4 / 12.7, 4 rows
 # 12.6 / 13.6 (session 27).
 DOT_MIN_ROWS = 5
-DOT_COLS = 32  # outputs a panel of the dot-product GEMM's weight (csrc/dot_bf16.h kDotCols)
 # Rows below which the GEMM runs on a copy oneDNN reordered once (``prepack_for_onednn``) instead of reordering the
 # weight on every call: same shapes, 2 threads, bfloat16, packed for 32 rows: 3072 x 576 at 16 / 32 / 64 rows
 # 96 / 126 / 223 us against 156 / 189 / 273, the same bits; at 544 rows 1,070 against 1,143 us, but 576 x 1536
@@ -89,7 +88,8 @@ def use_dot_weight(op, weight: torch.Tensor, min_rows: int) -> bool:
     if kernels is None or not kernels.bf16_gemm_available() or weight.dtype != torch.bfloat16 or weight.shape[1] % 2:
         return False
     out, k = weight.shape
-    packed = arena().empty((-(-out // DOT_COLS), k // 2, DOT_COLS, 2), torch.bfloat16)  # streamed: 2 MiB pages
+    cols = kernels.DOT_COLS
+    packed = arena().empty((-(-out // cols), k // 2, cols, 2), torch.bfloat16)  # streamed: 2 MiB pages
     kernels.pack_bf16_gemm(weight, packed)
     op.set_dot_weight(packed, min_rows)  # [panels, in / 2, 32, 2]
     return True

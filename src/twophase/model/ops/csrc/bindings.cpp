@@ -3,6 +3,7 @@
 #include <torch/python.h>
 #include <pybind11/stl.h>
 
+#include "dot_bf16.h"
 #include "stack.h"
 
 // The decoder stack's forward and a projection's call release the GIL while they run (tensor arguments only): a
@@ -44,6 +45,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_qk_available", &tp::int8_qk_available,
         "whether attention over an int8 cache scores on AVX512-VNNI (queries rounded to int8 rows)");
   m.def("bf16_gemm_available", &tp::bf16_gemm_available, "whether bf16_gemm was built (AVX512-BF16)");
+  m.attr("DOT_COLS") = tp::kDotCols;  // outputs a panel of pack_bf16_gemm's layout
   m.def("pack_bf16_gemm", &tp::pack_bf16_gemm,
         "a bfloat16 weight [n, k] in bf16_gemm's panel layout [ceil(n / 32), k / 2, 32, 2], written into `out` where given",
         py::arg("weight"), py::arg("out") = py::none());
