@@ -585,7 +585,7 @@ def test_dot_weight_takes_every_row_count_from_its_threshold(kernels):
     (``DOT_MIN_ROWS`` by default) on, prefill-sized row counts included, the projection gives the dot-product
     kernel's bits (``bf16_gemm``, widened, then the bias), below it the panels; no oneDNN copy is kept. A build
     without the kernel keeps oneDNN's, from ``GEMM_MIN_ROWS``."""
-    from twophase.model.ops.gemm import DOT_MIN_ROWS, GEMM_MIN_ROWS, PREPACKED_MAX_ROWS, use_gemm_weights
+    from twophase.model.ops.gemm import DOT_MIN_ROWS, GEMM_MIN_ROWS, PREPACKED_MAX_ROWS, dot_sums_on_fma, use_gemm_weights
 
     torch.manual_seed(4)
     weight, bias = torch.randn(50, 96), torch.randn(50)
@@ -601,11 +601,31 @@ def test_dot_weight_takes_every_row_count_from_its_threshold(kernels):
     packed = kernels.pack_bf16_gemm(weight.bfloat16())
     for rows in (DOT_MIN_ROWS - 1, DOT_MIN_ROWS, 17, PREPACKED_MAX_ROWS - 1, PREPACKED_MAX_ROWS, 300, 2049):
         x = torch.randn(rows, 96)
-        expected = plain(x) if rows < DOT_MIN_ROWS else kernels.bf16_gemm(x, packed, 50, False) + bias
+        expected = plain(x) if rows < DOT_MIN_ROWS else kernels.bf16_gemm(x, packed, 50, False, dot_sums_on_fma()) + bias
         assert torch.equal(layer(x), expected), rows
         if rows >= DOT_MIN_ROWS:  # the bfloat16 GEMM's value, summed in another order
             reference = torch.nn.functional.linear(x.bfloat16(), weight.bfloat16()).float() + bias
             torch.testing.assert_close(layer(x), reference, rtol=1e-2, atol=1e-2)
+
+
+def test_dot_sums_on_fma_follows_the_instruction_rates(kernels, monkeypatch):
+    """``bf16_gemm`` sums on FMAs where this CPU's float32 FMA outruns its dot-product instruction by
+    ``FMA_OVER_DOT`` (measured), or as ``TWOPHASE_BF16_GEMM`` says."""
+    from twophase.model.ops import gemm
+
+    decide = gemm.dot_sums_on_fma.__wrapped__  # the measurement, not the process's cached answer
+    for choice, fma in (("dot", False), ("fma", True)):
+        monkeypatch.setenv("TWOPHASE_BF16_GEMM", choice)
+        assert decide() is fma
+    monkeypatch.delenv("TWOPHASE_BF16_GEMM")
+    if not kernels.bf16_gemm_available():
+        assert decide() is False
+        return
+    rates = {"bfloat16": 100.0, "float32": 200.0}
+    monkeypatch.setattr(kernels, "instruction_peak", lambda dtype, seconds: rates[dtype], raising=False)
+    assert decide() is True
+    rates["float32"] = 50.0
+    assert decide() is False
 
 
 @pytest.mark.parametrize("fast_bf16", [False, True])

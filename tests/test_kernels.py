@@ -74,16 +74,18 @@ needs_bf16_dot = pytest.mark.skipif(not K.bf16_gemm_available(), reason="the ker
 # bfloat16 over the threads (from 256K values)
 @pytest.mark.parametrize(("n", "k"), [(960, 576), (67, 1536), (5, 2), (33, 18), (40, 68)])
 @pytest.mark.parametrize("m", [1, 8, 13, 32, 127, 600])
-def test_bf16_gemm_against_float64(m: int, n: int, k: int) -> None:
-    """bf16_gemm: bfloat16 products (exact in float32), float32 sums, the result rounded once to bfloat16. Against the
-    float64 product of the same bfloat16 inputs: within half a bfloat16 step of the result (up to 2**-8 relative) plus the
-    float32 sum's error (1e-5 * sum|x*w|, as assert_dot_close); float32 out is the bfloat16 out widened, bit for bit,
-    and float32 x is rounded to bfloat16 first."""
+@pytest.mark.parametrize("fma", [False, True])
+def test_bf16_gemm_against_float64(m: int, n: int, k: int, fma: bool) -> None:
+    """bf16_gemm: bfloat16 products (exact in float32), float32 sums, the result rounded once to bfloat16; on the
+    dot-product instruction or (fma) on float32 FMAs, whichever CPU runs the test. Against the float64 product of the
+    same bfloat16 inputs: within half a bfloat16 step of the result (up to 2**-8 relative) plus the float32 sum's error
+    (1e-5 * sum|x*w|, as assert_dot_close); float32 out is the bfloat16 out widened, bit for bit, and float32 x is
+    rounded to bfloat16 first. 127 and 600 rows take the panels in groups (from 8 row blocks)."""
     g = torch.Generator().manual_seed(m * 1000 + n)
     w, x = torch.randn(n, k, generator=g).bfloat16(), torch.randn(m, k, generator=g)
     packed = K.pack_bf16_gemm(w)  # [ceil(n / 32), k / 2, 32, 2]
     assert packed.shape == (-(-n // 32), k // 2, 32, 2)
-    y16, y32 = K.bf16_gemm(x.bfloat16(), packed, n, True), K.bf16_gemm(x, packed, n, False)
+    y16, y32 = K.bf16_gemm(x.bfloat16(), packed, n, True, fma), K.bf16_gemm(x, packed, n, False, fma)
     assert y16.dtype == torch.bfloat16 and y32.dtype == torch.float32 and y16.shape == (m, n)
     assert torch.equal(y16.float(), y32)
     xd, wd = x.bfloat16().double(), w.double()
@@ -94,17 +96,34 @@ def test_bf16_gemm_against_float64(m: int, n: int, k: int) -> None:
 
 
 @needs_bf16_dot
-def test_bf16_gemm_rows_do_not_depend_on_the_batch() -> None:
-    """Each output is one dot-product chain over k in order, whatever tile its row falls in: every row of an M-row
-    call equals that row alone, bit for bit (M = 2 .. 2,048 spreads rows over tiles of 1-12)."""
+@pytest.mark.parametrize("fma", [False, True])
+def test_bf16_gemm_rows_do_not_depend_on_the_batch(fma: bool) -> None:
+    """Each output is one chain over k in order (dot products, or FMAs), whatever tile its row falls in and in
+    whatever order the panels go: every row of an M-row call equals that row alone, bit for bit (M = 2 .. 2,048
+    spreads rows over tiles of 1-12; from 8 row blocks the panels go in groups)."""
     g = torch.Generator().manual_seed(11)
-    w = torch.randn(100, 576, generator=g).bfloat16()
+    w = torch.randn(2000, 576, generator=g).bfloat16()  # 63 panels: groups of 14 and a shorter last one
     packed = K.pack_bf16_gemm(w)
     for m in (2, 7, 12, 13, 32, 127, 2048):
         x = torch.randn(m, 576, generator=g)
-        together = K.bf16_gemm(x, packed, 100, False)
-        alone = torch.cat([K.bf16_gemm(x[i : i + 1], packed, 100, False) for i in range(m)])
+        together = K.bf16_gemm(x, packed, 2000, False, fma)
+        alone = torch.cat([K.bf16_gemm(x[i : i + 1], packed, 2000, False, fma) for i in range(m)])
         assert torch.equal(together, alone), m
+
+
+@needs_bf16_dot
+def test_bf16_gemm_fma_sums_the_dot_products_products() -> None:
+    """The FMA path forms the dot-product path's products (bfloat16 x, bfloat16 w) and differs only in the order
+    float32 sums them: where every partial sum is exact (small integers), both give the exact sum rounded once to
+    bfloat16, bit for bit."""
+    g = torch.Generator().manual_seed(12)
+    w = torch.randint(-8, 9, (70, 96), generator=g).bfloat16()
+    x = torch.randint(-8, 9, (40, 96), generator=g).float()
+    packed = K.pack_bf16_gemm(w)
+    exact = x.double() @ w.double().T  # integers up to 96 * 64: every partial sum exact in float32, in any order
+    dot, fma = K.bf16_gemm(x, packed, 70, False, False), K.bf16_gemm(x, packed, 70, False, True)
+    assert torch.equal(dot, fma)
+    assert torch.equal(fma, exact.float().bfloat16().float())
 
 
 def test_bf16_gemm_packs_into_a_given_tensor() -> None:

@@ -5,6 +5,9 @@ fewer rows (batch-1 decode) keep the kernels and their exact reads of the GGUF b
 
 from __future__ import annotations
 
+import functools
+import os
+
 import torch
 from torch import nn
 
@@ -38,6 +41,31 @@ PREPACKED_MAX_ROWS = 128
 # two engines alternating in one process, 1,198.6 against 1,238.4 ms (medians of 24) and 1,159.0 against 1,187.4.
 
 
+# How many times the dot-product instruction's FLOP rate the float32 FMA's must reach before ``bf16_gemm`` sums on
+# FMAs (``fma_tile``): it spends two integer operations a panel pair widening the weights that the dot products do not.
+FMA_OVER_DOT = 1.25
+
+
+@functools.lru_cache(maxsize=None)
+def dot_sums_on_fma() -> bool:
+    """Whether ``bf16_gemm`` should run its products as float32 FMAs on the weights widened in registers instead of
+    AVX512-BF16 dot products: where this CPU's FMA instruction outruns its ``vdpbf16ps`` (measured once a process,
+    ~20 ms; ``TWOPHASE_BF16_GEMM=dot`` or ``fma`` decides instead). 2 Zen 4 cores: vdpbf16ps 466 GFLOP/s, the FMA
+    half that. 2 Emerald Rapids Xeon cores without AMX: vdpbf16ps 209 GFLOP/s, the FMA ~440."""
+    choice = os.environ.get("TWOPHASE_BF16_GEMM", "auto")
+    if choice in ("dot", "fma"):
+        return choice == "fma"
+    from twophase.model.ops.extension import load_kernels
+
+    kernels = load_kernels()
+    try:
+        dot_rate = kernels.instruction_peak("bfloat16", 0.01)
+        fma_rate = kernels.instruction_peak("float32", 0.01)
+    except (AttributeError, RuntimeError):  # no kernels, or a build without one of the instructions
+        return False
+    return fma_rate > FMA_OVER_DOT * dot_rate
+
+
 def prepack_for_onednn(weight: torch.Tensor, rows: int = 32) -> torch.Tensor | None:
     """``weight`` [out, in] reordered into oneDNN's blocked layout for about ``rows`` rows
     (``torch.ops.mkldnn._reorder_linear_weight``, what inductor's freezing uses); None where torch has no oneDNN."""
@@ -62,7 +90,7 @@ def use_gemm_weights(model: nn.Module, dtype: torch.dtype, min_rows: int | None 
     for module in model.modules():
         if isinstance(module, PanelLinear):
             weight = module.unpacked_weight().to(dtype).contiguous()  # [out, in]
-            if dot_products and use_dot_weight(module.op, weight, dot_min_rows):
+            if dot_products and use_dot_weight(module.op, weight, dot_min_rows, dot_sums_on_fma()):
                 module.gemm_packed = None  # the dot-product panels are the only copy
             else:  # opaque: kept alive, not state
                 module.register_buffer("gemm_weight", weight)
@@ -71,9 +99,10 @@ def use_gemm_weights(model: nn.Module, dtype: torch.dtype, min_rows: int | None 
     return count
 
 
-def use_dot_weight(op, weight: torch.Tensor, min_rows: int) -> bool:
+def use_dot_weight(op, weight: torch.Tensor, min_rows: int, fma: bool = False) -> bool:
     """``op`` takes ``weight`` (bfloat16 [out, in]) from ``min_rows`` rows on, at every row count from there, on the
-    kernels' AVX512-BF16 dot-product GEMM (``bf16_gemm``: one panel of 32 outputs at a time, k in pairs); False
+    kernels' AVX512-BF16 dot-product GEMM (``bf16_gemm``: one panel of 32 outputs at a time, k in pairs; with ``fma``
+    the same products summed on float32 FMAs, ``dot_sums_on_fma``); False
     (nothing set) where the kernels lack it or the shape does not suit it. On 2 Zen 4
     cores, SmolLM2's four layer shapes at 32 rows took 1.19-1.40x less time than oneDNN's reordered copy, at 8-16
     rows 1.5-2.5x less (``docs/runs/compare-cpu/README.md``, session 24). Tried and dropped for GGUF block weights:
@@ -91,7 +120,7 @@ def use_dot_weight(op, weight: torch.Tensor, min_rows: int) -> bool:
     cols = kernels.DOT_COLS
     packed = arena().empty((-(-out // cols), k // 2, cols, 2), torch.bfloat16)  # streamed: 2 MiB pages
     kernels.pack_bf16_gemm(weight, packed)
-    op.set_dot_weight(packed, min_rows)  # [panels, in / 2, 32, 2]
+    op.set_dot_weight(packed, min_rows, fma)  # [panels, in / 2, 32, 2]
     return True
 
 

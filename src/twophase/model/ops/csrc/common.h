@@ -5,6 +5,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <utility>
 #include <cmath>
 #ifdef __AVX2__
@@ -433,6 +434,17 @@ inline float exp_sub_sum(float* y, const float* x, float m, int64_t n) {
     s += y[i];
   }
   return s;
+}
+
+// n floats of this thread's scratch buffer number Slot, kept between calls and grown as needed, never initialised:
+// a fresh vector per call (a prefill chunk's packed rows are megabytes) was mapped and zeroed by the C library on
+// every call of every projection. Slots: 0-3 the panel kernels (linear.cpp), 4 bf16_gemm's widened rows.
+template <int Slot>
+float* thread_scratch(int64_t n) {
+  thread_local std::unique_ptr<float[]> buffer;
+  thread_local int64_t capacity = 0;
+  if (capacity < n) buffer.reset(new float[n]), capacity = n;
+  return buffer.get();
 }
 
 }  // namespace tp

@@ -22,6 +22,9 @@ namespace tp {
 // runs, 28.7 -> 26.9 ms at 32 rows, 24.9 -> 23.8 at 24, 25.8 -> 24.9 at 16 (a slower spell), 54.1 / 61.4 against
 // 56.0 / 61.7 at 64 (within the spread). Every block spreading the next panel, the first included, was between.
 constexpr int64_t kPrefetchPairs = 24;
+// Panels in groups of about kGroupBytes, row block by row block, from kGroupMinBlocks row blocks on (bf16_gemm).
+constexpr int64_t kGroupBytes = int64_t{512} << 10;
+constexpr int64_t kGroupMinBlocks = 8;
 
 bool bf16_gemm_available() {
 #ifdef TP_HAVE_BF16_DOT
@@ -73,9 +76,31 @@ at::Tensor rows_as_bf16(const at::Tensor& x) {
   at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) { convert(dst + r0 * K, src + r0 * K, (r1 - r0) * K); });
   return out;
 }
+
+#ifdef TP_HAVE_BF16_DOT
+// x's rows [M, K] as float32 values rounded to bfloat16 (fma_tile's x: the products dot_tile would form), in this
+// thread's scratch (a prefill chunk's are megabytes: a tensor of their own was mapped and zeroed on every call), over
+// the threads from 256K values on: bfloat16 rows widened exactly, float32 rows rounded as rows_as_bf16 rounds them
+const float* rows_as_rounded_f32(const at::Tensor& x) {
+  const int64_t M = x.size(0), K = x.size(1);
+  float* dst = thread_scratch<4>(M * K);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  const uint16_t* src16 = bf16 ? reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>()) : nullptr;
+  const float* src32 = bf16 ? nullptr : x.data_ptr<float>();
+  const int64_t grain = M * K >= (int64_t{1} << 18) ? std::max<int64_t>(1, (int64_t{1} << 14) / K) : M;
+  at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) {
+    const int64_t i0 = r0 * K, i1 = r1 * K;
+    if (bf16) return convert(dst + i0, src16 + i0, i1 - i0);
+    int64_t i = i0;
+    for (; i + 16 <= i1; i += 16) _mm512_storeu_ps(dst + i, widen_bf16x16(bf16x16_of(_mm512_loadu_ps(src32 + i))));
+    for (; i < i1; ++i) dst[i] = bf16_to_f32(f32_to_bf16(src32[i]));
+  });
+  return dst;
+}
+#endif
 }  // namespace
 
-at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool bf16_out) {
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool bf16_out, bool fma) {
   TORCH_CHECK(bf16_gemm_available(), "bf16_gemm: built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "bf16_gemm: x must be a float32 or bfloat16 [M, K] tensor");
@@ -97,8 +122,10 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, b
   // row block at a time before (a transpose into a zeroed buffer, on the calling thread for a decode step): in one
   // process, 2 Zen 4 cores, alternating, 2,048-token prefill steps 1,305 -> 1,252 ms, 32-row decode steps 38.6 ->
   // 37.6 ms; down's GEMM alone at 32 rows 1.09-1.26x, at 2,048 rows 1.07x.
-  const at::Tensor xb = xc.scalar_type() == at::kBFloat16 ? xc : rows_as_bf16(xc);  // [M, K]
-  const int32_t* xr = reinterpret_cast<const int32_t*>(xb.data_ptr<at::BFloat16>());  // [M, pairs]
+  // fma: the rows as bfloat16-rounded float32 values instead, each broadcast by fma_tile
+  const at::Tensor xb = fma ? at::Tensor() : xc.scalar_type() == at::kBFloat16 ? xc : rows_as_bf16(xc);
+  const int32_t* xr = fma ? nullptr : reinterpret_cast<const int32_t*>(xb.data_ptr<at::BFloat16>());  // [M, pairs]
+  const float* xf = fma ? rows_as_rounded_f32(xc) : nullptr;  // [M, K]
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   uint16_t* out16 = bf16_out ? reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()) : nullptr;
   float* out32 = bf16_out ? nullptr : out.data_ptr<float>();
@@ -109,9 +136,15 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, b
   // 2,048 rows the same (a layer's four 35.5 / 35.0 ms). S1-shaped rounds in one process, 3 x 2 alternating: 444.8
   // -> 455.9 tok/s, decode steps 35.8 -> 34.8 ms.
   const int64_t panel_bytes = pairs * 2 * kDotCols * static_cast<int64_t>(sizeof(uint16_t));
+  // From kGroupMinBlocks row blocks on (prefill chunks) the units go a group of panels at a time (~kGroupBytes, in
+  // L2), row block by row block within it: a thread's run keeps its row block in L1 across the group's panels, where
+  // panel by panel x's rows streamed through the caches once a panel.
+  const int64_t group = blocks >= kGroupMinBlocks ? std::max<int64_t>(1, kGroupBytes / panel_bytes) : 1;
   guided_for(P * blocks, [] { return 0; }, [&](int64_t u0, int64_t u1, int) {
     for (int64_t u = u0; u < u1; ++u) {
-      const int64_t p = u / blocks, b = u % blocks, r0 = starts[b];
+      const int64_t g0 = u / (group * blocks) * group, in_group = std::min(group, P - g0);
+      const int64_t unit = u - g0 * blocks;  // within the group: row block unit / in_group, panel unit % in_group
+      const int64_t p = g0 + unit % in_group, b = unit / in_group, r0 = starts[b];
       const int64_t cols = std::min(kDotCols, n - p * kDotCols);
       const __mmask16 m0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
       const __mmask16 m1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
@@ -132,15 +165,20 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, b
       // a run's first block reads its panel from memory, prefetching it into L1 as it goes; the blocks after it bring
       // the next panel into L2 meanwhile, a share each (a line a pair: half the panel where there are two blocks, as
       // measured)
-      const bool reads_panel = b == 0 || u == u0;
+      // (in groups every block prefetches: the thread that brought the group's panels may be the other one)
+      const bool reads_panel = b == 0 || u == u0 || group > 1;
       // (Keep this dispatch in the run's lambda: moved into a helper struct's method, GCC left dot_tile<12> out of
       // line and 2,048-row GEMMs ran ~10% slower, 32-row ones not; session 45. Check nm -C after a change.)
       with_tile_rows(starts[b + 1] - r0, [&](auto mr) {
         const char* next_share = reads_panel ? nullptr
                                              : reinterpret_cast<const char*>(wp + (p + 1) * pairs * 2 * kDotCols) +
                                                    (b - 1) * panel_bytes / (blocks - 1);
-        dot_tile<decltype(mr)::value, kRowMajor>(xr + r0 * pairs, wp + p * pairs * 2 * kDotCols, pairs, nullptr, 0,
-                                                 store, reads_panel ? kPrefetchPairs : 0, next_share, pairs);
+        if (fma)
+          fma_tile<decltype(mr)::value>(xf + r0 * K, K, wp + p * pairs * 2 * kDotCols, pairs, store,
+                                        reads_panel ? kPrefetchPairs : 0, next_share);
+        else
+          dot_tile<decltype(mr)::value, kRowMajor>(xr + r0 * pairs, wp + p * pairs * 2 * kDotCols, pairs, nullptr, 0,
+                                                   store, reads_panel ? kPrefetchPairs : 0, next_share, pairs);
       });
     }
   });

@@ -615,17 +615,6 @@ inline void block_rows_folded(const float* x, const float* xsum, const uint8_t* 
 #endif
 }
 
-// n floats of this thread's scratch buffer number Slot, kept between calls and grown as needed, never initialised:
-// a fresh vector per call (a prefill chunk's packed rows are megabytes) was mapped and zeroed by the C library on
-// every call of every projection.
-template <int Slot>
-float* thread_scratch(int64_t n) {
-  thread_local std::unique_ptr<float[]> buffer;
-  thread_local int64_t capacity = 0;
-  if (capacity < n) buffer.reset(new float[n]), capacity = n;
-  return buffer.get();
-}
-
 // Rows of x per pass over a thread's panels: the rows' values stay in cache while the panels stream.
 constexpr int64_t kPanelRowChunk = 256;
 

@@ -63,7 +63,7 @@ bool int8_qk_available();
 // the other rows.
 bool bf16_gemm_available();
 at::Tensor pack_bf16_gemm(const at::Tensor& weight, const c10::optional<at::Tensor>& into = c10::nullopt);
-at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool bf16_out);
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool bf16_out, bool fma = false);
 // GGUF-style int8 blocks on AVX512-VNNI (gemm_int8.cpp): whether this build has it; values int8 [N, K] (K a
 // multiple of 32) with scales [and mins] float32 [N, K / 32] (w = scale q [+ min] a block) -> the kernel's tensors
 // (packed values, -128 x block sums, scales[, mins] by panel); y = x @ W.T as float32 [M, n], x float32 [M, K]

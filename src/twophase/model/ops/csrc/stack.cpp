@@ -45,11 +45,12 @@ void LinearOp::set_int8_gemm(std::vector<at::Tensor> tensors, int64_t min_rows) 
   int8_ = std::move(tensors);
 }
 
-void LinearOp::set_dot_weight(at::Tensor dot, int64_t min_rows) {
+void LinearOp::set_dot_weight(at::Tensor dot, int64_t min_rows, bool fma) {
   TORCH_CHECK(out_features_ > 0 && dot.dim() == 4 && dot.size(0) == (out_features_ + dot.size(2) - 1) / dot.size(2),
               "LinearOp: the dot-product weight must be pack_bf16_gemm of a bfloat16 [out_features, in] weight");
   gemm_from(min_rows, /*rows_independent=*/false);
   dot_ = dot;
+  dot_fma_ = fma;
 }
 
 void LinearOp::gemm_from(int64_t min_rows, bool rows_independent) {
@@ -74,7 +75,7 @@ at::Tensor linear_prepacked(const at::Tensor& x, const at::Tensor& packed) {
 }  // namespace
 
 at::Tensor LinearOp::gemm_unwidened(const at::Tensor& x) const {
-  if (takes_dot()) return tp::bf16_gemm(x, dot_, out_features_, /*bf16_out=*/true);
+  if (takes_dot()) return tp::bf16_gemm(x, dot_, out_features_, /*bf16_out=*/true, dot_fma_);
   const at::Tensor xg = x.to(gemm_weight_.scalar_type());  // [M, K]
   const bool prepacked = gemm_packed_.defined() && x.size(0) < gemm_packed_max_rows_;
   return prepacked ? linear_prepacked(xg, gemm_packed_) : at::linear(xg, gemm_weight_);
@@ -95,7 +96,7 @@ at::Tensor LinearOp::gemm(const at::Tensor& x) const {
                                                          int8_.size() > 3 ? c10::optional<at::Tensor>(int8_[3])
                                                                           : c10::nullopt,
                                                          t_[0].size(0))  // the blocks' rows: N
-                 : takes_dot() ? tp::bf16_gemm(x, dot_, out_features_, /*bf16_out=*/false)
+                 : takes_dot() ? tp::bf16_gemm(x, dot_, out_features_, /*bf16_out=*/false, dot_fma_)
                                         : gemm_unwidened(x).to(at::kFloat);
   if (bias_.has_value() && bias_->defined()) y.add_(*bias_);
   return y;

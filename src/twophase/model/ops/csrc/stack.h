@@ -27,7 +27,8 @@ class LinearOp {
   // From min_rows rows on, at every row count, the projection runs bf16_gemm's AVX512-BF16 dot products instead of
   // its kernel: `dot` is its weight in bfloat16 [out_features, in], in pack_bf16_gemm's layout (no other copy is
   // kept). The bfloat16-rounded GEMM result torch's would give, summed in another order.
-  void set_dot_weight(at::Tensor dot, int64_t min_rows);
+  // fma: its sums on float32 FMAs (fma_tile), where they outrun the dot-product instruction.
+  void set_dot_weight(at::Tensor dot, int64_t min_rows, bool fma = false);
   // From min_rows rows on, a block-format projection (q8_0, q4_1) runs int8_gemm on `tensors` (pack_int8_gemm of its
   // blocks: packed values, negsum, scales[, mins]) instead of its kernel: the same quantities (x rounded to int8
   // blocks, the blocks' products summed exactly) at AVX512-VNNI's rate; float32 sums in another order.
@@ -58,6 +59,7 @@ class LinearOp {
   at::Tensor gemm_packed_;  // undefined: at::linear at every row count from gemm_min_rows_
   int64_t gemm_packed_max_rows_ = 0;
   at::Tensor dot_;  // defined: the GEMM is bf16_gemm on it (set_dot_weight)
+  bool dot_fma_ = false;  // bf16_gemm sums on FMAs (set_dot_weight)
   std::vector<at::Tensor> int8_;  // not empty: the GEMM is int8_gemm on these (set_int8_gemm)
   bool takes_dot() const { return dot_.defined(); }
 };
