@@ -319,9 +319,10 @@ def test_decoder_stack_is_bit_identical_to_the_loop_under_bfloat16_gemms(tiny_ll
 def test_bfloat16_prefill_products_by_cpu(tiny_llama_dir, monkeypatch, kernels, amx):
     """Under bfloat16 GEMMs and cache prefill chunks multiply in bfloat16: through torch's SDPA on a CPU with AMX,
     else on the kernel's AVX512-BF16 dot products where it has them (torch's flash attention multiplies at its
-    float32 rate there); never in float32. (The stack-vs-loop test above runs both paths in the engine.)"""
+    float32 rate there), summed on FMAs where bf16_gemm's are; never in float32. (The stack-vs-loop test above runs both paths in the engine.)"""
     from twophase.engine import hardware
     from twophase.model.attention import DENSE_MIN_QUERIES, DOT_MIN_QUERIES
+    from twophase.model.ops.gemm import dot_sums_on_fma
 
     monkeypatch.setattr(hardware, "cpu_has_amx", lambda: amx)
     bf16 = make_llm(tiny_llama_dir, dtype="float32", gemm_dtype="bfloat16").engine.model_runner
@@ -329,6 +330,7 @@ def test_bfloat16_prefill_products_by_cpu(tiny_llama_dir, monkeypatch, kernels, 
     dot = not amx and kernels.bf16_gemm_available()
     assert bf16.backend.dense_min_queries == (DENSE_MIN_QUERIES if amx else 0)
     assert bf16.backend.dot_min_queries == (DOT_MIN_QUERIES if dot else 0)
+    assert bf16.backend.dot_fma == (dot and dot_sums_on_fma())  # summed as bf16_gemm sums
     assert fp32.backend.dense_min_queries == fp32.backend.dot_min_queries == 0
 
 

@@ -461,15 +461,15 @@ def test_paged_attention_bf16_q_out() -> None:
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16, torch.int8])
-@pytest.mark.parametrize("dot", [False, True])
-def test_paged_attention_stores_bfloat16_rows_beside_float32_queries(cache_dtype: torch.dtype, dot: bool) -> None:
+@pytest.mark.parametrize("dot", [False, True, "fma"])
+def test_paged_attention_stores_bfloat16_rows_beside_float32_queries(cache_dtype: torch.dtype, dot) -> None:
     """A bfloat16 out beside float32 queries (the decoder stack's input to a projection that rounds it): every row
     the float32 out's value rounded once, decode rows (one work item a request and whole-slot items), prefill chunks,
     on the float32 kernels and on the dot products (bfloat16 and int8 caches); bfloat16 queries take their own dtype
     out."""
     q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(cache_dtype, 16, seed=11, extra_decodes=_many_decodes(),
                                                           dim=64)
-    options = {"dot_min_queries": 9} if dot and K.bf16_gemm_available() else {}
+    options = {"dot_min_queries": 9, "dot_fma": dot == "fma"} if dot and K.bf16_gemm_available() else {}
     wide, narrow = torch.empty_like(q), torch.empty(q.shape, dtype=torch.bfloat16)
     K.paged_attention(wide, q, kc, vc, tables, seq_lens, qsl, 16, scale, **options)
     K.paged_attention(narrow, q, kc, vc, tables, seq_lens, qsl, 16, scale, **options)
@@ -478,19 +478,19 @@ def test_paged_attention_stores_bfloat16_rows_beside_float32_queries(cache_dtype
         K.paged_attention(wide, q.bfloat16(), kc, vc, tables, seq_lens, qsl, 16, scale)
 
 
-@pytest.mark.parametrize("products", ["sdpa", "dot"])
+@pytest.mark.parametrize("products", ["sdpa", "dot", "dot-fma"])
 @pytest.mark.parametrize("block_size", [16, 7])
 @pytest.mark.parametrize("strided", [False, True])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
 def test_paged_attention_bfloat16_prefill(products: str, block_size: int, strided: bool, q_dtype: torch.dtype) -> None:
     """Requests with at least 9 queries multiply in bfloat16: through torch's SDPA (``dense_min_queries``, over the
     context gathered from a contiguous cache) or on the kernel's AVX512-BF16 dot products (``dot_min_queries``; the
-    cache also as strided views, K and V of a slot side by side). A first chunk, a chunk after 70 cached keys and a
+    cache also as strided views, K and V of a slot side by side), those products summed on float32 FMAs (``dot_fma``). A first chunk, a chunk after 70 cached keys and a
     9-token prompt (odd key counts, a query tile of 9 x 3 rows) against the float64 reference within the rounding of
     queries and probabilities to bfloat16; the other requests' rows are the kernel's float32 ones, bit for bit."""
     if products == "sdpa" and strided:
         pytest.skip("the SDPA path views a contiguous cache as blocks")
-    if products == "dot" and not K.bf16_gemm_available():
+    if products.startswith("dot") and not K.bf16_gemm_available():
         pytest.skip("the kernels were built without AVX512-BF16")
     q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(torch.bfloat16, block_size, seed=9,
                                                           extra_decodes=_many_decodes(), dim=64)
@@ -501,7 +501,8 @@ def test_paged_attention_bfloat16_prefill(products: str, block_size: int, stride
     kernel_only, ours = torch.empty_like(q), torch.full_like(q, float("nan"))
     K.paged_attention(kernel_only, q, kc, vc, tables, seq_lens, qsl, block_size, scale)
     K.paged_attention(ours, q, kc, vc, tables, seq_lens, qsl, block_size, scale,
-                      **{"sdpa": {"dense_min_queries": 9}, "dot": {"dot_min_queries": 9}}[products])
+                      **{"sdpa": {"dense_min_queries": 9}, "dot": {"dot_min_queries": 9},
+                         "dot-fma": {"dot_min_queries": 9, "dot_fma": True}}[products])
     q_lens = (qsl[1:] - qsl[:-1]).tolist()
     for r, q_len in enumerate(q_lens):
         rows = slice(int(qsl[r]), int(qsl[r + 1]))
@@ -517,10 +518,12 @@ def test_paged_attention_bfloat16_prefill(products: str, block_size: int, stride
 
 
 @pytest.mark.parametrize("heads", [6, 16])  # 3 query heads a kv head (32-query items), 8 (24-query items)
-def test_paged_attention_dot_prefill_long_prompts(heads: int) -> None:
+@pytest.mark.parametrize("fma", [False, True])
+def test_paged_attention_dot_prefill_long_prompts(heads: int, fma: bool) -> None:
     """attend_dot over prompts of several key chunks and query tiles: a 77-token prompt and a 50-token chunk after
     70 cached keys, whose items' later row blocks skip the chunks none of their rows sees; against the float64
-    reference within the rounding of queries and probabilities to bfloat16, as above."""
+    reference within the rounding of queries and probabilities to bfloat16, as above, on the dot products and on
+    FMAs; the two differ only in how float32 sums the same products."""
     if not K.bf16_gemm_available():
         pytest.skip("the kernels were built without AVX512-BF16")
     g = torch.Generator().manual_seed(5)
@@ -533,22 +536,27 @@ def test_paged_attention_dot_prefill_long_prompts(heads: int) -> None:
     seq = torch.tensor(seq_lens, dtype=torch.int32)
     ref = reference_paged_attention(q.double(), kc.double(), vc.double(), tables, seq, qsl, bs)
     ours, plain = torch.full_like(q, float("nan")), torch.empty_like(q)
-    K.paged_attention(ours, q, kc, vc, tables, seq, qsl, bs, dim ** -0.5, dot_min_queries=9)
+    K.paged_attention(ours, q, kc, vc, tables, seq, qsl, bs, dim ** -0.5, dot_min_queries=9, dot_fma=fma)
     K.paged_attention(plain, q, kc, vc, tables, seq, qsl, bs, dim ** -0.5)
     torch.testing.assert_close(ours.double(), ref, rtol=0, atol=2e-2)
     assert not torch.equal(ours, plain)  # the dot products ran
+    other = torch.empty_like(q)  # the other way of summing them
+    K.paged_attention(other, q, kc, vc, tables, seq, qsl, bs, dim ** -0.5, dot_min_queries=9, dot_fma=not fma)
+    torch.testing.assert_close(ours, other, rtol=0, atol=1e-5)
 
 
-def test_paged_attention_dot_prefill_over_an_int8_cache() -> None:
+@pytest.mark.parametrize("fma", [False, True])
+def test_paged_attention_dot_prefill_over_an_int8_cache(fma: bool) -> None:
     """attend_dot over an int8 cache: each chunk's rows widened, scaled and rounded to bfloat16 first, then the
-    bfloat16 cache's arithmetic; against the float64 reference on the same int8 rows within that rounding."""
+    bfloat16 cache's arithmetic (dot products or FMAs); against the float64 reference on the same int8 rows within
+    that rounding."""
     if not K.bf16_gemm_available():
         pytest.skip("the kernels were built without AVX512-BF16")
     q, kc, vc, tables, seq_lens, qsl, scale = _paged_case(torch.int8, 16, seed=9, extra_decodes=_many_decodes(), dim=64)
     ref = reference_paged_attention(q.double(), kc, vc, tables, seq_lens, qsl, 16)
     plain, ours = torch.empty_like(q), torch.full_like(q, float("nan"))
     K.paged_attention(plain, q, kc, vc, tables, seq_lens, qsl, 16, scale)
-    K.paged_attention(ours, q, kc, vc, tables, seq_lens, qsl, 16, scale, dot_min_queries=9)
+    K.paged_attention(ours, q, kc, vc, tables, seq_lens, qsl, 16, scale, dot_min_queries=9, dot_fma=fma)
     for r, q_len in enumerate((qsl[1:] - qsl[:-1]).tolist()):
         rows = slice(int(qsl[r]), int(qsl[r + 1]))
         torch.testing.assert_close(ours[rows].double(), ref[rows], rtol=0, atol=5e-2)

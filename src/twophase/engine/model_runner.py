@@ -155,12 +155,17 @@ class ModelRunner:
         bfloat16 at its float32 rate: one 512-token prompt a layer, 2 Zen 4 cores, 4.5-4.7 ms in the kernel's
         float32 products against 5.9-6.5 through SDPA; 8 x 256 tokens 9.1-11.6 against 12.2-15.2 (on 2 AMX Xeon
         cores SDPA took 1.8-2.5x less than the kernel from 64 queries on). The dot products took 1.9 / 4.5 ms there
-        (``attention.DOT_MIN_QUERIES``)."""
+        (``attention.DOT_MIN_QUERIES``); summed on float32 FMAs (``dot-fma``) where ``bf16_gemm``'s are
+        (``gemm.dot_sums_on_fma``)."""
         if not (rounds_products(self.gemm_dtype, self.quantization) and self.cache_dtype in (torch.bfloat16, torch.int8)):
             return "float32"
         if hardware.cpu_has_amx():
             return "sdpa"
-        return "dot" if kernels is not None and kernels.bf16_gemm_available() else "float32"
+        if kernels is None or not kernels.bf16_gemm_available():
+            return "float32"
+        from twophase.model.ops.gemm import dot_sums_on_fma
+
+        return "dot-fma" if dot_sums_on_fma() else "dot"
 
     def _linear_kernels(self, options: RunnerOptions):
         """The C++ kernels module the linear layers run on (CPU, ``--linear-backend auto``, built), else None."""

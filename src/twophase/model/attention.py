@@ -214,7 +214,7 @@ DENSE_DISABLE_ENV = "TWOPHASE_NO_DENSE_PREFILL"  # =1: float32 products in the k
 # cores, 8 requests over 256 keys a layer: 1.7x / 2.0x less time than the float32 products at 8 / 16 queries each
 # (1.6x at 5); whole prompts of 256 / 512 tokens 1.7x. Decode rows and short speculative checks stay in float32.
 DOT_MIN_QUERIES = 8
-PREFILL_PRODUCTS = ("float32", "sdpa", "dot")  # how prefill chunks multiply (make_attention_backend)
+PREFILL_PRODUCTS = ("float32", "sdpa", "dot", "dot-fma")  # how prefill chunks multiply (make_attention_backend)
 
 
 class KernelPagedAttention:
@@ -224,17 +224,20 @@ class KernelPagedAttention:
     through torch's SDPA in bfloat16 instead, over its context gathered from the cache — for engines that already
     run their GEMMs in bfloat16 on an AMX CPU (it rounds the queries to bfloat16, and the scores' sums take another
     order). ``dot_min_queries`` (0: never): such a request runs in the kernel on bfloat16 dot products (bfloat16
-    cache, head dim 64, AVX512-BF16 builds), the queries and probabilities rounded to bfloat16 as SDPA rounds them."""
+    cache, head dim 64, AVX512-BF16 builds), the queries and probabilities rounded to bfloat16 as SDPA rounds them;
+    ``dot_fma``: those products summed on float32 FMAs (where they outrun the dot-product instruction, as
+    ``bf16_gemm``'s, ``gemm.dot_sums_on_fma``)."""
 
     name = "kernel"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, kernels, dense_min_queries: int = 0,
-                 dot_min_queries: int = 0) -> None:  # fmt: skip
+                 dot_min_queries: int = 0, dot_fma: bool = False) -> None:  # fmt: skip
         self.num_heads = num_heads
         self.scale = head_dim**-0.5
         self.kernels = kernels
         self.dense_min_queries = dense_min_queries
         self.dot_min_queries = dot_min_queries
+        self.dot_fma = dot_fma
 
     def prepare(self, meta: AttentionMetadata) -> None:
         """Nothing beyond the common metadata."""
@@ -246,7 +249,7 @@ class KernelPagedAttention:
             q = q.contiguous()
         self.kernels.paged_attention(
             out, q, k_cache, v_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc,
-            meta.block_size, self.scale, self.dense_min_queries, self.dot_min_queries,
+            meta.block_size, self.scale, self.dense_min_queries, self.dot_min_queries, self.dot_fma,
         )  # fmt: skip
         return out
 
@@ -262,7 +265,8 @@ def make_attention_backend(
     builds, else torch. ``prefill_products`` (``ModelRunner._prefill_products``): how the kernel multiplies prefill
     chunks: ``float32`` as every row, ``sdpa`` (bfloat16 GEMM engines on an AMX CPU): chunks of
     ``DENSE_MIN_QUERIES`` or more queries through torch's bfloat16 SDPA, ``dot`` (the same without AMX): chunks of
-    ``DOT_MIN_QUERIES`` or more on the kernel's bfloat16 dot products."""
+    ``DOT_MIN_QUERIES`` or more on the kernel's bfloat16 dot products, ``dot-fma``: those products summed on float32
+    FMAs."""
     if name not in ("auto", "torch", "kernel"):
         raise ValueError(f"unknown attention backend {name!r}; choose auto, torch or kernel")
     if prefill_products not in PREFILL_PRODUCTS:
@@ -277,8 +281,9 @@ def make_attention_backend(
             if os.environ.get(DENSE_DISABLE_ENV, "") not in ("", "0"):
                 prefill_products = "float32"
             dense = DENSE_MIN_QUERIES if prefill_products == "sdpa" else 0
-            dot = DOT_MIN_QUERIES if prefill_products == "dot" else 0
-            return KernelPagedAttention(num_heads, num_kv_heads, head_dim, kernels, dense, dot)
+            dot = DOT_MIN_QUERIES if prefill_products in ("dot", "dot-fma") else 0
+            return KernelPagedAttention(num_heads, num_kv_heads, head_dim, kernels, dense, dot,
+                                        prefill_products == "dot-fma")
         if name == "kernel":
             raise RuntimeError("attention backend 'kernel' asked for, but the C++ kernels could not be built")
     elif name == "kernel":

@@ -51,7 +51,7 @@ def build_decoder_stack(model: Any, kernels: ModuleType | None) -> Any | None:
         config.head_dim, model.rotary.cos, model.rotary.sin,
     )  # fmt: skip
     stack.set_dense_attention(model.backend.dense_min_queries)
-    stack.set_dot_attention(model.backend.dot_min_queries)
+    stack.set_dot_attention(model.backend.dot_min_queries, model.backend.dot_fma)
     return stack
 
 

@@ -41,6 +41,7 @@ struct Args {
   float scale;
   const int32_t *block_tables, *seq_lens, *qsl;
   int64_t dot_min_queries;  // requests with this many queries take attend_dot (D = 64); 0: none, as for a float32 cache
+  bool dot_fma;  // attend_dot sums its products on float32 FMAs (fma_tile) instead of vdpbf16ps
 };
 
 // Per-thread scratch, sized for one work item.
@@ -52,15 +53,18 @@ struct Scratch {
   // attend_dot: the queries and probabilities as bfloat16 rows (row-major, a pair an int32), a key chunk's K and
   // V in panels ([pairs][32][2] bfloat16: K with d in pairs and keys as columns, V with keys in pairs and d as columns)
   std::vector<int32_t> qp, pp;
+  std::vector<float> qf, pf;  // the same rows widened to float32 where attend_dot sums on FMAs (Args::dot_fma)
   std::vector<float> lv;
   std::vector<uint16_t> kpanel, vpanel;
   std::vector<uint16_t> kdeq, vdeq;  // attend_dot over an int8 cache: a chunk's K / V rows as bfloat16
   std::vector<float> ks;  // an int8 cache's K scales of a chunk (attend_rows_paired)
   std::vector<int8_t> q8;  // an int8 cache's items on AVX512-VNNI: each row of q as an int8 row (64 + its scale)
-  Scratch(int64_t rows, int64_t D, bool dot, bool int8)  // dot: with attend_dot's buffers (a call that has such items)
+  // dot: with attend_dot's buffers (a call that has such items); fma: with its float32 rows too
+  Scratch(int64_t rows, int64_t D, bool dot, bool int8, bool fma = false)
       : q(rows * D), acc(rows * D), s(rows * KEY_CHUNK), m(rows), l(rows), kbuf(KEY_CHUNK * D),
         vbuf(KEY_CHUNK * D), row(D), kt(KEY_CHUNK * D), pos(rows), qp(dot ? rows * D / 2 : 0),
-        pp(dot ? rows * KEY_CHUNK / 2 : 0), lv(dot ? rows * 16 : 0), kpanel(dot ? KEY_CHUNK * D : 0), vpanel(dot ? KEY_CHUNK * D : 0),
+        pp(dot ? rows * KEY_CHUNK / 2 : 0), qf(dot && fma ? rows * D : 0), pf(dot && fma ? rows * KEY_CHUNK : 0),
+        lv(dot ? rows * 16 : 0), kpanel(dot ? KEY_CHUNK * D : 0), vpanel(dot ? KEY_CHUNK * D : 0),
         kdeq(dot && int8 ? KEY_CHUNK * D : 0), vdeq(dot && int8 ? KEY_CHUNK * D : 0), ks(int8 ? KEY_CHUNK : 0),
         q8(int8 ? rows * (D + kInt8RowExtra) : 0) {}
 };
@@ -946,8 +950,10 @@ void attend_dot(const Args& a, const WorkItem& w, const QT* q, OT* out, const T*
   int64_t starts[kMaxDotBlocks + 1];
   for (int64_t b = 0; b <= blocks; ++b) starts[b] = b * rows / blocks;
   begin_item(a, w, q, sc);
-  for (int64_t rr = 0; rr < rows; ++rr)  // row rr's d pairs at qp + rr * DP
+  for (int64_t rr = 0; rr < rows; ++rr) {  // row rr's d pairs at qp + rr * DP (and widened at qf + rr * D)
     convert(reinterpret_cast<uint16_t*>(sc.qp.data() + rr * DP), sc.q.data() + rr * D, D);
+    if (a.dot_fma) convert(sc.qf.data() + rr * D, reinterpret_cast<const uint16_t*>(sc.qp.data() + rr * DP), D);
+  }
   float* lv = sc.lv.data();  // row rr's softmax sum as 16 partial sums (lv + 16 rr), added up at the end
   std::fill(lv, lv + rows * 16, 0.f);
   const int32_t* bt = a.block_tables + w.req * a.max_blocks;
@@ -1001,22 +1007,30 @@ void attend_dot(const Args& a, const WorkItem& w, const QT* q, OT* out, const T*
           for (int64_t d = 0; d < D; d += 16) _mm512_storeu_ps(acc + d, _mm512_mul_ps(av, _mm512_loadu_ps(acc + d)));
         }
       }
-      _mm512_storeu_si512(sc.pp.data() + rr * KP, (__m512i)_mm512_cvtne2ps_pbh(e_hi, e_lo));  // keys in order
+      const __m512i p16 = (__m512i)_mm512_cvtne2ps_pbh(e_hi, e_lo);  // keys in order
+      _mm512_storeu_si512(sc.pp.data() + rr * KP, p16);
+      if (a.dot_fma) {  // the same rounded probabilities as float32 values
+        _mm512_storeu_ps(sc.pf.data() + rr * KEY_CHUNK, widen_bf16x16(_mm512_castsi512_si256(p16)));
+        _mm512_storeu_ps(sc.pf.data() + rr * KEY_CHUNK + 16, widen_bf16x16(_mm512_extracti64x4_epi64(p16, 1)));
+      }
     };
     for (int64_t b = 0; b < blocks; ++b) {
       const int64_t r0 = starts[b], n_rows = starts[b + 1] - r0;
       if (sc.pos[starts[b + 1] - 1] < p0) continue;  // the block's rows see none of the chunk (causal)
       with_tile_rows(n_rows, [&](auto mr) {
         constexpr int MR = decltype(mr)::value;
-        dot_tile<MR, DP>(sc.qp.data() + r0 * DP, sc.kpanel.data(), DP, nullptr, 0,
-                         [&](int r, __m512 c0, __m512 c1) { softmax_row(r0 + r, c0, c1); });
+        auto to_softmax = [&](int r, __m512 c0, __m512 c1) { softmax_row(r0 + r, c0, c1); };
+        if (a.dot_fma) fma_tile<MR>(sc.qf.data() + r0 * D, D, sc.kpanel.data(), DP, to_softmax);
+        else dot_tile<MR, DP>(sc.qp.data() + r0 * DP, sc.kpanel.data(), DP, nullptr, 0, to_softmax);
         for (int64_t c = 0; c < 2; ++c) {
           float* o = sc.acc.data() + r0 * D + c * kDotCols;
-          dot_tile<MR, KP>(sc.pp.data() + r0 * KP, sc.vpanel.data() + c * KP * 2 * kDotCols, KP, o, D,
-                           [&](int r, __m512 c0, __m512 c1) {
-                             _mm512_storeu_ps(o + r * D, c0);
-                             _mm512_storeu_ps(o + r * D + 16, c1);
-                           });
+          const uint16_t* vp = sc.vpanel.data() + c * KP * 2 * kDotCols;
+          auto to_acc = [&](int r, __m512 c0, __m512 c1) {
+            _mm512_storeu_ps(o + r * D, c0);
+            _mm512_storeu_ps(o + r * D + 16, c1);
+          };
+          if (a.dot_fma) fma_tile<MR>(sc.pf.data() + r0 * KEY_CHUNK, KEY_CHUNK, vp, KP, to_acc, 0, nullptr, o, D);
+          else dot_tile<MR, KP>(sc.pp.data() + r0 * KP, vp, KP, o, D, to_acc);
         }
       });
     }
@@ -1065,7 +1079,7 @@ void run_items(const Args& a, const std::vector<WorkItem>& items, const QT* q, O
 #endif
     return (void)w, false;
   };
-  claim_ahead(static_cast<int64_t>(items.size()), [&] { return Scratch(max_rows, a.D, any_dot, int8); },
+  claim_ahead(static_cast<int64_t>(items.size()), [&] { return Scratch(max_rows, a.D, any_dot, int8, a.dot_fma); },
               [&](int64_t i, int64_t next, Scratch& sc) {
 #ifdef TP_HAVE_BF16_DOT
                 if constexpr (!std::is_same_v<T, float>) {
@@ -1115,7 +1129,7 @@ bool int8_qk_available() {
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache,
                      const at::Tensor& v_cache, const at::Tensor& block_tables_in,
                      const at::Tensor& seq_lens_in, const at::Tensor& qsl_in, int64_t block_size, double scale,
-                     int64_t dense_min_queries, int64_t dot_min_queries) {
+                     int64_t dense_min_queries, int64_t dot_min_queries, bool dot_fma) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [T, H, D] of equal shape");
   TORCH_CHECK(out.is_contiguous(), "out must be contiguous");
   TORCH_CHECK(q.stride(2) == 1 && q.stride(1) == q.size(2) && q.stride(0) >= q.size(1) * q.size(2),
@@ -1143,7 +1157,7 @@ void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_c
   Args a{H, KVH, q.size(2), H / KVH, block_size, bt.size(1), row, q.stride(0), H * q.size(2),
          k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
          static_cast<float>(scale), bt.data_ptr<int32_t>(), sl.data_ptr<int32_t>(), qsl.data_ptr<int32_t>(),
-         ct == at::kFloat ? 0 : dot_min_queries};  // attend_dot reads bfloat16 and int8 caches
+         ct == at::kFloat ? 0 : dot_min_queries, dot_fma};  // attend_dot reads bfloat16 and int8 caches
   TORCH_CHECK(dot_min_queries >= 0, "dot_min_queries must be >= 0 (0: never)");
   TORCH_CHECK(dense_min_queries >= 0, "dense_min_queries must be >= 0 (0: never)");
   const bool dense_ok = dense_min_queries > 0 && ct != at::kChar && k_cache.is_contiguous() && v_cache.is_contiguous() &&

@@ -41,7 +41,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &tp::paged_attention, "varlen causal attention over a paged KV cache", py::arg("out"),
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("block_tables"), py::arg("seq_lens"),
         py::arg("query_start_loc"), py::arg("block_size"), py::arg("scale"), py::arg("dense_min_queries") = 0,
-        py::arg("dot_min_queries") = 0);
+        py::arg("dot_min_queries") = 0, py::arg("dot_fma") = false);
   m.def("int8_qk_available", &tp::int8_qk_available,
         "whether attention over an int8 cache scores on AVX512-VNNI (queries rounded to int8 rows)");
   m.def("bf16_gemm_available", &tp::bf16_gemm_available, "whether bf16_gemm was built (AVX512-BF16)");
@@ -97,7 +97,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
            py::arg("head_dim"), py::arg("cos"), py::arg("sin"))
       .def("set_kv_caches", &tp::DecoderStack::set_kv_caches, py::arg("k_caches"), py::arg("v_caches"))
       .def("set_dense_attention", &tp::DecoderStack::set_dense_attention, py::arg("min_queries"))
-      .def("set_dot_attention", &tp::DecoderStack::set_dot_attention, py::arg("min_queries"))
+      .def("set_dot_attention", &tp::DecoderStack::set_dot_attention, py::arg("min_queries"), py::arg("fma") = false)
       .def("forward", &tp::DecoderStack::forward, py::arg("residual"), py::arg("positions"), py::arg("slots"),
            py::arg("block_tables"), py::arg("seq_lens"), py::arg("query_start_loc"), py::arg("block_size"),
            py::arg("out_rows") = py::none(),

@@ -62,14 +62,19 @@ inline void dot_tile(const int32_t* xp, const uint16_t* wp, int64_t pairs, const
 // + 1] masked: exact); x: the rows as float32 values (bfloat16-rounded where the caller wants dot_tile's products),
 // row r's from x + r * x_ld, each value broadcast from memory. c[r][j] += x[r][2p] w[j][2p], then += x[r][2p + 1]
 // w[j][2p + 1]: every product exact and summed in its own rounding, one chain per output, pairs in order (dot_tile
-// rounds each pair's two products together). Prefetch arguments as dot_tile's.
+// rounds each pair's two products together). init, prefetch arguments: as dot_tile's.
 template <int MR, class Store>
 inline void fma_tile(const float* x, int64_t x_ld, const uint16_t* wp, int64_t pairs, Store&& store,
-                     int64_t prefetch_pairs = 0, const char* l2_lines = nullptr) {
+                     int64_t prefetch_pairs = 0, const char* l2_lines = nullptr, const float* init = nullptr,
+                     int64_t init_ld = 0) {
   __m512 c0[MR], c1[MR];
   const float* xrow[MR];
 #pragma GCC unroll 12
-  for (int r = 0; r < MR; ++r) c0[r] = _mm512_setzero_ps(), c1[r] = _mm512_setzero_ps(), xrow[r] = x + r * x_ld;
+  for (int r = 0; r < MR; ++r) {
+    c0[r] = init ? _mm512_loadu_ps(init + r * init_ld) : _mm512_setzero_ps();
+    c1[r] = init ? _mm512_loadu_ps(init + r * init_ld + 16) : _mm512_setzero_ps();
+    xrow[r] = x + r * x_ld;
+  }
   const __m512i high = _mm512_set1_epi32(static_cast<int32_t>(0xffff0000u));
   for (int64_t p = 0; p < pairs; ++p) {
     if (prefetch_pairs) {

@@ -54,7 +54,7 @@ at::Tensor linear_q4_1(const at::Tensor& x, const at::Tensor& qs, const at::Tens
 void paged_attention(at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
                      int64_t block_size, double scale, int64_t dense_min_queries = 0,
-                     int64_t dot_min_queries = 0);
+                     int64_t dot_min_queries = 0, bool dot_fma = false);
 // Whether attention over an int8 cache scores on AVX512-VNNI (its queries rounded to int8 rows).
 bool int8_qk_available();
 // bfloat16 GEMM on AVX512-BF16 dot products (gemm_bf16.cpp): whether this build has it; a bfloat16 weight [N, K]

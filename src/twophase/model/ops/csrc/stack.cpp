@@ -226,7 +226,7 @@ at::Tensor DecoderStack::forward(at::Tensor residual, const at::Tensor& position
     const at::ScalarType attn_dtype = layer.o.rounds_rows(rows_now) ? at::kBFloat16 : at::kFloat;
     at::Tensor attn = at::empty({rows_now, heads_, head_dim_}, qkv.options().dtype(attn_dtype));
     tp::paged_attention(attn, q, k_caches_[i], v_caches_[i], block_tables, seq_lens, *qsl, block_size, scale,
-                        dense_min_queries_, dot_min_queries_);
+                        dense_min_queries_, dot_min_queries_, dot_fma_);
     h = layer.o(attn.view({rows_now, q_size}));  // [rows, hidden] float32
     h = add_norm(h, residual, layer.post_norm, &layer.gate_up);
     h = mlp(layer, h);

@@ -78,8 +78,9 @@ class DecoderStack {
   // Requests with at least min_queries queries attend through torch's SDPA in bfloat16 (paged_attention's
   // dense_min_queries; 0: never).
   void set_dense_attention(int64_t min_queries) { dense_min_queries_ = min_queries; }
-  // Requests with at least min_queries queries attend on bfloat16 dot products (paged_attention's dot_min_queries).
-  void set_dot_attention(int64_t min_queries) { dot_min_queries_ = min_queries; }
+  // Requests with at least min_queries queries attend on bfloat16 dot products (paged_attention's dot_min_queries),
+  // summed on float32 FMAs with fma (its dot_fma).
+  void set_dot_attention(int64_t min_queries, bool fma = false) { dot_min_queries_ = min_queries, dot_fma_ = fma; }
   // residual [T, hidden] fp32 (the embeddings; updated in place) -> the final norm of the last residual [T, hidden].
   // With out_rows [N] (rows of the batch, each request's a suffix of its queries, in order): only those rows' final
   // norm [N, hidden]; the last layer writes every row's K / V and runs the rest (attention, projections, MLP) on
@@ -99,6 +100,7 @@ class DecoderStack {
   int64_t heads_, kv_heads_, head_dim_;
   std::vector<at::Tensor> k_caches_, v_caches_;
   int64_t dense_min_queries_ = 0, dot_min_queries_ = 0;
+  bool dot_fma_ = false;
 };
 
 }  // namespace tp
