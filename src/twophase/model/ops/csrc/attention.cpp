@@ -53,7 +53,7 @@ struct Scratch {
   // attend_dot: the queries and probabilities as bfloat16 rows (row-major, a pair an int32), a key chunk's K and
   // V in panels ([pairs][32][2] bfloat16: K with d in pairs and keys as columns, V with keys in pairs and d as columns)
   std::vector<int32_t> qp, pp;
-  std::vector<float> qf, pf;  // the same rows widened to float32 where attend_dot sums on FMAs (Args::dot_fma)
+  std::vector<float> qf, pf;  // instead, where attend_dot sums on FMAs (Args::dot_fma): the same rounded rows as float32
   std::vector<float> lv;
   std::vector<uint16_t> kpanel, vpanel;
   std::vector<uint16_t> kdeq, vdeq;  // attend_dot over an int8 cache: a chunk's K / V rows as bfloat16
@@ -62,8 +62,8 @@ struct Scratch {
   // dot: with attend_dot's buffers (a call that has such items); fma: with its float32 rows too
   Scratch(int64_t rows, int64_t D, bool dot, bool int8, bool fma = false)
       : q(rows * D), acc(rows * D), s(rows * KEY_CHUNK), m(rows), l(rows), kbuf(KEY_CHUNK * D),
-        vbuf(KEY_CHUNK * D), row(D), kt(KEY_CHUNK * D), pos(rows), qp(dot ? rows * D / 2 : 0),
-        pp(dot ? rows * KEY_CHUNK / 2 : 0), qf(dot && fma ? rows * D : 0), pf(dot && fma ? rows * KEY_CHUNK : 0),
+        vbuf(KEY_CHUNK * D), row(D), kt(KEY_CHUNK * D), pos(rows), qp(dot && !fma ? rows * D / 2 : 0),
+        pp(dot && !fma ? rows * KEY_CHUNK / 2 : 0), qf(dot && fma ? rows * D : 0), pf(dot && fma ? rows * KEY_CHUNK : 0),
         lv(dot ? rows * 16 : 0), kpanel(dot ? KEY_CHUNK * D : 0), vpanel(dot ? KEY_CHUNK * D : 0),
         kdeq(dot && int8 ? KEY_CHUNK * D : 0), vdeq(dot && int8 ? KEY_CHUNK * D : 0), ks(int8 ? KEY_CHUNK : 0),
         q8(int8 ? rows * (D + kInt8RowExtra) : 0) {}
@@ -950,9 +950,12 @@ void attend_dot(const Args& a, const WorkItem& w, const QT* q, OT* out, const T*
   int64_t starts[kMaxDotBlocks + 1];
   for (int64_t b = 0; b <= blocks; ++b) starts[b] = b * rows / blocks;
   begin_item(a, w, q, sc);
-  for (int64_t rr = 0; rr < rows; ++rr) {  // row rr's d pairs at qp + rr * DP (and widened at qf + rr * D)
-    convert(reinterpret_cast<uint16_t*>(sc.qp.data() + rr * DP), sc.q.data() + rr * D, D);
-    if (a.dot_fma) convert(sc.qf.data() + rr * D, reinterpret_cast<const uint16_t*>(sc.qp.data() + rr * DP), D);
+  for (int64_t rr = 0; rr < rows; ++rr) {  // row rr rounded to bfloat16: its d pairs at qp + rr * DP, or on FMAs
+    const float* qrow = sc.q.data() + rr * D;  // widened again at qf + rr * D
+    if (!a.dot_fma) convert(reinterpret_cast<uint16_t*>(sc.qp.data() + rr * DP), qrow, D);
+    else
+      for (int64_t d = 0; d < D; d += 16)
+        _mm512_storeu_ps(sc.qf.data() + rr * D + d, widen_bf16x16(bf16x16_of(_mm512_loadu_ps(qrow + d))));
   }
   float* lv = sc.lv.data();  // row rr's softmax sum as 16 partial sums (lv + 16 rr), added up at the end
   std::fill(lv, lv + rows * 16, 0.f);
@@ -1008,8 +1011,9 @@ void attend_dot(const Args& a, const WorkItem& w, const QT* q, OT* out, const T*
         }
       }
       const __m512i p16 = (__m512i)_mm512_cvtne2ps_pbh(e_hi, e_lo);  // keys in order
-      _mm512_storeu_si512(sc.pp.data() + rr * KP, p16);
-      if (a.dot_fma) {  // the same rounded probabilities as float32 values
+      if (!a.dot_fma) {
+        _mm512_storeu_si512(sc.pp.data() + rr * KP, p16);
+      } else {  // the same rounded probabilities as float32 values
         _mm512_storeu_ps(sc.pf.data() + rr * KEY_CHUNK, widen_bf16x16(_mm512_castsi512_si256(p16)));
         _mm512_storeu_ps(sc.pf.data() + rr * KEY_CHUNK + 16, widen_bf16x16(_mm512_extracti64x4_epi64(p16, 1)));
       }
