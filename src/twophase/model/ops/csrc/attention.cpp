@@ -953,9 +953,7 @@ void attend_dot(const Args& a, const WorkItem& w, const QT* q, OT* out, const T*
   for (int64_t rr = 0; rr < rows; ++rr) {  // row rr rounded to bfloat16: its d pairs at qp + rr * DP, or on FMAs
     const float* qrow = sc.q.data() + rr * D;  // widened again at qf + rr * D
     if (!a.dot_fma) convert(reinterpret_cast<uint16_t*>(sc.qp.data() + rr * DP), qrow, D);
-    else
-      for (int64_t d = 0; d < D; d += 16)
-        _mm512_storeu_ps(sc.qf.data() + rr * D + d, widen_bf16x16(bf16x16_of(_mm512_loadu_ps(qrow + d))));
+    else round_to_bf16(sc.qf.data() + rr * D, qrow, D);
   }
   float* lv = sc.lv.data();  // row rr's softmax sum as 16 partial sums (lv + 16 rr), added up at the end
   std::fill(lv, lv + rows * 16, 0.f);

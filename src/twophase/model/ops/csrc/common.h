@@ -302,6 +302,16 @@ inline void convert(float* dst, const uint16_t* src, int64_t n) {
   for (; i < n; ++i) dst[i] = bf16_to_f32(src[i]);
 }
 
+// src rounded to bfloat16 as convert rounds it, kept as float32 values (the widening back is exact): what fma_tile
+// reads where dot_tile would read convert's pairs.
+inline void round_to_bf16(float* dst, const float* src, int64_t n) {
+  int64_t i = 0;
+#ifdef __AVX512F__
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, widen_bf16x16(bf16x16_of(_mm512_loadu_ps(src + i))));
+#endif
+  for (; i < n; ++i) dst[i] = bf16_to_f32(f32_to_bf16(src[i]));
+}
+
 // An int8 KV cache row (--kv-cache-dtype int8): D int8 values q, then the row's float32 scale s (its 4 bytes), a
 // value being q[d] * s: the row quantized as one block by quantize_block_int8 below, the bytes
 // twophase.model.attention.quantize_int8_rows writes. A row of D = 64 is 68 bytes against bfloat16's 128.

@@ -91,9 +91,7 @@ const float* rows_as_rounded_f32(const at::Tensor& x) {
   at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) {
     const int64_t i0 = r0 * K, i1 = r1 * K;
     if (bf16) return convert(dst + i0, src16 + i0, i1 - i0);
-    int64_t i = i0;
-    for (; i + 16 <= i1; i += 16) _mm512_storeu_ps(dst + i, widen_bf16x16(bf16x16_of(_mm512_loadu_ps(src32 + i))));
-    for (; i < i1; ++i) dst[i] = bf16_to_f32(f32_to_bf16(src32[i]));
+    round_to_bf16(dst + i0, src32 + i0, i1 - i0);
   });
   return dst;
 }
