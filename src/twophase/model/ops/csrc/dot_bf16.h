@@ -30,19 +30,24 @@ constexpr int kRowMajor = -1;  // dot_tile's XLD for rows x_ld pairs apart, a st
 // With a pointer a row, a 12-row tile held 12 of the 16 general registers and GCC spilled the loop's others to the
 // stack, reloaded every pair: 2,048 x 576 x 1,152 GEMMs on Zen 4 went from 190-194 to 201-208 GFLOP/s on one core,
 // 387-395 to 424-426 on two; at 32 rows, 383-402 to 420-432 (the two loops alternating in one process, medians of
-// 15-41 calls).
-template <int MR, class T>
+// 15-41 calls). LD > 0: the stride known at compile time, one base and constant offsets (prefill attention's rows; with
+// a base every three rows, each advanced every pair, its 8 x 256-token prefill over 30 layers took 99.6-117.0 ms
+// against 99.2-108.5).
+template <int MR, class T, int64_t LD = 0>
 struct RowCursor {
-  static constexpr int kBases = (MR + 2) / 3;
+  static constexpr int kBases = LD > 0 ? 1 : (MR + 2) / 3;
   const char* base[kBases];
   int64_t stride;  // bytes
-  RowCursor(const T* x, int64_t ld) : stride(ld * static_cast<int64_t>(sizeof(T))) {
+  RowCursor(const T* x, int64_t ld) : stride((LD > 0 ? LD : ld) * static_cast<int64_t>(sizeof(T))) {
 #pragma GCC unroll 4
     for (int k = 0; k < kBases; ++k) base[k] = reinterpret_cast<const char*>(x) + 3 * k * stride;
   }
   T at(int r, int64_t i) const {  // row r's value i past the current column
+    const int64_t col = i * static_cast<int64_t>(sizeof(T));
+    const char* at = LD > 0 ? base[0] + r * (LD * static_cast<int64_t>(sizeof(T))) + col
+                            : base[r / 3] + (r % 3) * stride + col;
     T v;
-    std::memcpy(&v, base[r / 3] + (r % 3) * stride + i * static_cast<int64_t>(sizeof(T)), sizeof(T));
+    std::memcpy(&v, at, sizeof(T));
     return v;
   }
   void advance(int64_t n) {
@@ -56,7 +61,7 @@ inline void dot_tile(const int32_t* xp, const uint16_t* wp, int64_t pairs, const
                      Store&& store, int64_t prefetch_pairs = 0, const char* l2_lines = nullptr, int64_t x_ld = 0) {
   __m512 c0[MR], c1[MR];
   static_assert(XLD > 0 || XLD == kRowMajor, "dot_tile: a row stride");
-  RowCursor<MR, int32_t> xrow(xp, XLD > 0 ? XLD : x_ld);
+  RowCursor<MR, int32_t, (XLD > 0 ? XLD : 0)> xrow(xp, x_ld);
 #pragma GCC unroll 12
   for (int r = 0; r < MR; ++r) {
     c0[r] = init ? _mm512_loadu_ps(init + r * init_ld) : _mm512_setzero_ps();
