@@ -96,6 +96,33 @@ def test_bf16_gemm_against_float64(m: int, n: int, k: int, fma: bool) -> None:
 
 
 @needs_bf16_dot
+@pytest.mark.parametrize("m", [1, 13, 32, 600])
+@pytest.mark.parametrize("fma", [False, True])
+def test_bf16_gemm_gate_up_by_16(m: int, fma: bool) -> None:
+    """A gate / up weight packed by 16s (``gate_up_by_16``) gives, stored as ``GEMM_STORE_GATE_UP``, the unpacked
+    weight's result bit for bit (each output is the same chain over k, only its panel moved), and stored as
+    ``GEMM_STORE_SILU_MUL`` what ``silu_and_mul_widened`` makes of it, bit for bit. F = 208: 13 panels; 600 rows take
+    the panels in groups."""
+    from twophase.model.ops.gemm import gate_up_by_16
+
+    g = torch.Generator().manual_seed(m)
+    f, k = 208, 96
+    w, x = torch.randn(2 * f, k, generator=g).bfloat16(), torch.randn(m, k, generator=g) * 2
+    plain, by_16 = K.pack_bf16_gemm(w), K.pack_bf16_gemm(gate_up_by_16(w))
+    for bf16_out in (False, True):
+        expected = K.bf16_gemm(x, plain, 2 * f, bf16_out, fma)
+        assert torch.equal(K.bf16_gemm(x, by_16, 2 * f, bf16_out, fma, K.GEMM_STORE_GATE_UP), expected)
+    fused = K.bf16_gemm(x, by_16, 2 * f, True, fma, K.GEMM_STORE_SILU_MUL)
+    assert fused.shape == (m, f) and fused.dtype == torch.bfloat16
+    assert torch.equal(fused, K.silu_and_mul_widened(K.bf16_gemm(x, plain, 2 * f, True, fma)))
+    assert gate_up_by_16(w[:-16]) is None  # F = 207.5 rows a half: not by 16s
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        K.bf16_gemm(x, K.pack_bf16_gemm(w[:-16]), 2 * f - 16, False, fma, K.GEMM_STORE_GATE_UP)
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        K.bf16_gemm(x, by_16, 2 * f, False, fma, K.GEMM_STORE_SILU_MUL)
+
+
+@needs_bf16_dot
 @pytest.mark.parametrize("fma", [False, True])
 def test_bf16_gemm_rows_do_not_depend_on_the_batch(fma: bool) -> None:
     """Each output is one chain over k in order (dot products, or FMAs), whatever tile its row falls in and in

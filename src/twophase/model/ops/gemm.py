@@ -87,10 +87,12 @@ def use_gemm_weights(model: nn.Module, dtype: torch.dtype, min_rows: int | None 
     dot_min_rows = DOT_MIN_ROWS if min_rows is None else min_rows
     gemm_min_rows = GEMM_MIN_ROWS if min_rows is None else min_rows
     count = 0
+    gate_ups = {id(m.gate_up_proj) for m in model.modules() if isinstance(getattr(m, "gate_up_proj", None), PanelLinear)}
     for module in model.modules():
         if isinstance(module, PanelLinear):
             weight = module.unpacked_weight().to(dtype).contiguous()  # [out, in]
-            if dot_products and use_dot_weight(module.op, weight, dot_min_rows, dot_sums_on_fma()):
+            gate_up = id(module) in gate_ups
+            if dot_products and use_dot_weight(module.op, weight, dot_min_rows, dot_sums_on_fma(), gate_up):
                 module.gemm_packed = None  # the dot-product panels are the only copy
             else:  # opaque: kept alive, not state
                 module.register_buffer("gemm_weight", weight)
@@ -99,13 +101,25 @@ def use_gemm_weights(model: nn.Module, dtype: torch.dtype, min_rows: int | None 
     return count
 
 
-def use_dot_weight(op, weight: torch.Tensor, min_rows: int, fma: bool = False) -> bool:
+def gate_up_by_16(weight: torch.Tensor) -> torch.Tensor | None:
+    """A gate / up weight [gate; up] ([2F, in]) with its rows by 16s: gate rows 16j .. 16j + 15, then up rows F + 16j ..
+    F + 16j + 15, for j in order, so that each of ``bf16_gemm``'s 32-output panels holds 16 gate outputs and their up
+    outputs, and its store applies SiLU-and-mul (``GEMM_STORE_SILU_MUL``); None where F is not a multiple of 16."""
+    out, k = weight.shape
+    if out % 32:
+        return None
+    return weight.view(2, out // 32, 16, k).transpose(0, 1).reshape(out, k)  # [F / 16, (gate, up), 16, in]
+
+
+def use_dot_weight(op, weight: torch.Tensor, min_rows: int, fma: bool = False, gate_up: bool = False) -> bool:
     """``op`` takes ``weight`` (bfloat16 [out, in]) from ``min_rows`` rows on, at every row count from there, on the
     kernels' AVX512-BF16 dot-product GEMM (``bf16_gemm``: one panel of 32 outputs at a time, k in pairs; with ``fma``
     the same products summed on float32 FMAs, ``dot_sums_on_fma``); False
     (nothing set) where the kernels lack it or the shape does not suit it. On 2 Zen 4
     cores, SmolLM2's four layer shapes at 32 rows took 1.19-1.40x less time than oneDNN's reordered copy, at 8-16
-    rows 1.5-2.5x less (``docs/runs/compare-cpu/README.md``, session 24). Tried and dropped for GGUF block weights:
+    rows 1.5-2.5x less (``docs/runs/compare-cpu/README.md``, session 24). ``gate_up``: ``weight`` is a gate / up
+    projection's, packed by 16s (``gate_up_by_16``) where its shape allows, so that SiLU-and-mul runs as the GEMM
+    stores (``LinearOp.gated_unwidened``). Tried and dropped for GGUF block weights:
     widening each Q4_1 panel to bfloat16 in the thread's scratch instead of reading this 2-byte copy, 3.2x fewer bytes
     but ~5 ms of widening over the model's 120 matrices, 1.07-1.13x slower at 8-100 rows (session 27).
     The copy lies in the huge-page arena, as the panel kernels' weights do: a batched decode step streams it whole.
@@ -118,9 +132,10 @@ def use_dot_weight(op, weight: torch.Tensor, min_rows: int, fma: bool = False) -
         return False
     out, k = weight.shape
     cols = kernels.DOT_COLS
+    by_16 = gate_up_by_16(weight) if gate_up else None
     packed = arena().empty((-(-out // cols), k // 2, cols, 2), torch.bfloat16)  # streamed: 2 MiB pages
-    kernels.pack_bf16_gemm(weight, packed)
-    op.set_dot_weight(packed, min_rows, fma)  # [panels, in / 2, 32, 2]
+    kernels.pack_bf16_gemm(weight if by_16 is None else by_16, packed)
+    op.set_dot_weight(packed, min_rows, fma, by_16 is not None)  # [panels, in / 2, 32, 2]
     return True
 
 

@@ -51,7 +51,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("weight"), py::arg("out") = py::none());
   m.def("bf16_gemm", &tp::bf16_gemm, "y = x @ w.T on bfloat16 dot products (w packed by pack_bf16_gemm)",
         py::arg("x"), py::arg("packed"), py::arg("n"), py::arg("bf16_out"), py::arg("fma") = false,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("store") = 0, py::call_guard<py::gil_scoped_release>());
+  m.attr("GEMM_STORE_GATE_UP") = static_cast<int64_t>(tp::kStoreGateUp);  // bf16_gemm's store modes (ops.h)
+  m.attr("GEMM_STORE_SILU_MUL") = static_cast<int64_t>(tp::kStoreSiluMul);
   m.def("int8_gemm_available", &tp::int8_gemm_available, "whether int8_gemm was built (AVX512-VNNI)");
   m.def("pack_int8_gemm", &tp::pack_int8_gemm,
         "int8 block values [n, k] with scales [, mins] [n, k / 32] -> int8_gemm's (packed, negsum, scales[, mins])",
@@ -84,7 +86,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("silu_gated", &tp::LinearOp::silu_gated, py::arg("x"), py::call_guard<py::gil_scoped_release>())
       .def("set_gemm_weight", &tp::LinearOp::set_gemm_weight, py::arg("weight"), py::arg("min_rows"),
            py::arg("packed") = py::none(), py::arg("packed_max_rows") = 0)
-      .def("set_dot_weight", &tp::LinearOp::set_dot_weight, py::arg("dot"), py::arg("min_rows"), py::arg("fma") = false)
+      .def("set_dot_weight", &tp::LinearOp::set_dot_weight, py::arg("dot"), py::arg("min_rows"), py::arg("fma") = false,
+           py::arg("gate_up_by_16") = false)
       .def("set_int8_gemm", &tp::LinearOp::set_int8_gemm, py::arg("tensors"), py::arg("min_rows"));
   py::class_<tp::StackLayer>(m, "StackLayer", "one decoder layer's norms and projections")
       .def(py::init<at::Tensor, at::Tensor, tp::LinearOp, tp::LinearOp, tp::LinearOp, tp::LinearOp>(),

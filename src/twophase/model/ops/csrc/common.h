@@ -242,6 +242,13 @@ inline __m512 exp512(__m512 x) {
   return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
 }
 
+// silu(g) * u of 16 lanes: g / (1 + exp(-g)), times u (silu8's formula on exp512). silu_and_mul_widened and
+// bf16_gemm's gate / up store (kStoreSiluMul) both take it, so the two give the same bits.
+inline __m512 silu_mul16(__m512 g, __m512 u) {
+  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  return _mm512_mul_ps(silu, u);
+}
+
 // exp(x) of 16 lanes for x <= 0 (probabilities of a softmax) in 11 instructions against exp512's 17: x = n ln 2 + r
 // with n = round(x log2 e) and |r| <= ln 2 / 2 (ln 2 in two parts, as exp512), e^r by its Taylor polynomial of
 // degree 6, scaled by 2^n (vscalefps: 0 far below, without exp512's clamps and exponent arithmetic). Over 1.6M x in

@@ -149,12 +149,10 @@ void silu_mul_widened(const at::Tensor& gu, at::Tensor& out) {
     int64_t i = 0;
 #ifdef __AVX512F__
     // 16 lanes a time, silu8's arithmetic lane for lane (the same bits, ~2x the rate of the 8-lane loop)
-    const __m512 one = _mm512_set1_ps(1.0f);
     for (; i + 16 <= f; i += 16) {
       const __m512 gv = widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(g + i)));
       const __m512 uv = widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(u + i)));
-      const __m512 silu = _mm512_div_ps(gv, _mm512_add_ps(one, exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv))));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), bf16x16_of(_mm512_mul_ps(silu, uv)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + i), bf16x16_of(silu_mul16(gv, uv)));
     }
 #endif
 #ifdef __AVX2__

@@ -98,7 +98,7 @@ const float* rows_as_rounded_f32(const at::Tensor& x) {
 #endif
 }  // namespace
 
-at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool bf16_out, bool fma) {
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool bf16_out, bool fma, int64_t store) {
   TORCH_CHECK(bf16_gemm_available(), "bf16_gemm: built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
               "bf16_gemm: x must be a float32 or bfloat16 [M, K] tensor");
@@ -108,7 +108,12 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, b
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), pairs = packed.size(1);
   TORCH_CHECK(K == 2 * pairs, "bf16_gemm: x has ", K, " columns, the weight ", 2 * pairs);
   TORCH_CHECK(n > (P - 1) * kDotCols && n <= P * kDotCols, "bf16_gemm: n does not match the packed panels");
-  at::Tensor out = at::empty({M, n}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
+  TORCH_CHECK(store == kStorePlain || store == kStoreGateUp || store == kStoreSiluMul, "bf16_gemm: unknown store ", store);
+  TORCH_CHECK(store == kStorePlain || n % kDotCols == 0,
+              "bf16_gemm: a gate / up weight packed by 16s has a multiple of 32 outputs");
+  TORCH_CHECK(store != kStoreSiluMul || bf16_out, "bf16_gemm: silu(gate) * up is stored in bfloat16");
+  const int64_t out_cols = store == kStoreSiluMul ? n / 2 : n, half = n / 2;  // half: F of a gate / up weight
+  at::Tensor out = at::empty({M, out_cols}, x.options().dtype(bf16_out ? at::kBFloat16 : at::kFloat));
   if (M == 0) return out;
 #ifdef TP_HAVE_BF16_DOT
   const at::Tensor xc = x.contiguous();
@@ -146,18 +151,22 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, b
       const int64_t cols = std::min(kDotCols, n - p * kDotCols);
       const __mmask16 m0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
       const __mmask16 m1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
-      // the rows' sums rounded once to bfloat16, stored as such or widened
-      auto store = [&](int r, __m512 c0, __m512 c1) {
-        const int64_t at = (r0 + r) * n + p * kDotCols;
+      // the rows' sums rounded once to bfloat16, stored as such or widened: the panel's 32 columns side by side, or
+      // (a gate / up weight packed by 16s) its 16 gate and 16 up outputs in their own columns, or silu(gate) * up
+      // of the two in bfloat16 (silu_and_mul_widened's arithmetic)
+      const int64_t at0 = store == kStorePlain ? p * kDotCols : p * 16, at1 = store == kStoreGateUp ? half + p * 16 : at0 + 16;
+      auto store_row = [&](int r, __m512 c0, __m512 c1) {
+        const int64_t row = (r0 + r) * out_cols;
         const __m256i h0 = (__m256i)_mm512_cvtneps_pbh(c0), h1 = (__m256i)_mm512_cvtneps_pbh(c1);
-        if (out16) {
-          uint16_t* o = out16 + at;
-          _mm256_mask_storeu_epi16(o, m0, h0);
-          _mm256_mask_storeu_epi16(o + 16, m1, h1);
+        if (store == kStoreSiluMul) {
+          const __m256i y = bf16x16_of(silu_mul16(widen_bf16x16(h0), widen_bf16x16(h1)));
+          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out16 + row + at0), y);
+        } else if (out16) {
+          _mm256_mask_storeu_epi16(out16 + row + at0, m0, h0);
+          _mm256_mask_storeu_epi16(out16 + row + at1, m1, h1);
         } else {
-          float* o = out32 + at;
-          _mm512_mask_storeu_ps(o, m0, widen_bf16x16(h0));
-          _mm512_mask_storeu_ps(o + 16, m1, widen_bf16x16(h1));
+          _mm512_mask_storeu_ps(out32 + row + at0, m0, widen_bf16x16(h0));
+          _mm512_mask_storeu_ps(out32 + row + at1, m1, widen_bf16x16(h1));
         }
       };
       // a run's first block reads its panel from memory, prefetching it into L1 as it goes; the blocks after it bring
@@ -172,11 +181,11 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, b
                                              : reinterpret_cast<const char*>(wp + (p + 1) * pairs * 2 * kDotCols) +
                                                    (b - 1) * panel_bytes / (blocks - 1);
         if (fma)
-          fma_tile<decltype(mr)::value>(xf + r0 * K, K, wp + p * pairs * 2 * kDotCols, pairs, store,
+          fma_tile<decltype(mr)::value>(xf + r0 * K, K, wp + p * pairs * 2 * kDotCols, pairs, store_row,
                                         reads_panel ? kPrefetchPairs : 0, next_share);
         else
           dot_tile<decltype(mr)::value, kRowMajor>(xr + r0 * pairs, wp + p * pairs * 2 * kDotCols, pairs, nullptr, 0,
-                                                   store, reads_panel ? kPrefetchPairs : 0, next_share, pairs);
+                                                   store_row, reads_panel ? kPrefetchPairs : 0, next_share, pairs);
       });
     }
   });

@@ -63,7 +63,14 @@ bool int8_qk_available();
 // the other rows.
 bool bf16_gemm_available();
 at::Tensor pack_bf16_gemm(const at::Tensor& weight, const c10::optional<at::Tensor>& into = c10::nullopt);
-at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool bf16_out, bool fma = false);
+// How bf16_gemm stores its sums. kStorePlain: y [M, n] in the packed weight's output order. The other two take a
+// gate / up weight ([gate; up], n = 2F outputs, F a multiple of 16) packed by 16s (each panel the gate outputs
+// 16j .. 16j + 15 and then the same up outputs: gemm.py's gate_up_by_16): kStoreGateUp y [M, n] as the unpacked
+// weight gives it (gate outputs in columns 0 .. F, up in F .. 2F); kStoreSiluMul silu(gate) * up [M, F] in bfloat16,
+// what silu_and_mul_widened makes of kStoreGateUp's bfloat16 y, bit for bit, without that [M, n] product.
+enum GemmStore : int64_t { kStorePlain = 0, kStoreGateUp = 1, kStoreSiluMul = 2 };
+at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, bool bf16_out, bool fma = false,
+                     int64_t store = kStorePlain);
 // GGUF-style int8 blocks on AVX512-VNNI (gemm_int8.cpp): whether this build has it; values int8 [N, K] (K a
 // multiple of 32) with scales [and mins] float32 [N, K / 32] (w = scale q [+ min] a block) -> the kernel's tensors
 // (packed values, -128 x block sums, scales[, mins] by panel); y = x @ W.T as float32 [M, n], x float32 [M, K]

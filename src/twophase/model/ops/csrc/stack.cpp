@@ -45,12 +45,15 @@ void LinearOp::set_int8_gemm(std::vector<at::Tensor> tensors, int64_t min_rows) 
   int8_ = std::move(tensors);
 }
 
-void LinearOp::set_dot_weight(at::Tensor dot, int64_t min_rows, bool fma) {
+void LinearOp::set_dot_weight(at::Tensor dot, int64_t min_rows, bool fma, bool gate_up_by_16) {
   TORCH_CHECK(out_features_ > 0 && dot.dim() == 4 && dot.size(0) == (out_features_ + dot.size(2) - 1) / dot.size(2),
               "LinearOp: the dot-product weight must be pack_bf16_gemm of a bfloat16 [out_features, in] weight");
   gemm_from(min_rows, /*rows_independent=*/false);
+  TORCH_CHECK(!gate_up_by_16 || out_features_ % 32 == 0,  // 16 gate and 16 up outputs a panel
+              "LinearOp: a gate / up weight packed by 16s has a multiple of 32 outputs");
   dot_ = dot;
   dot_fma_ = fma;
+  dot_gate_up_ = gate_up_by_16;
 }
 
 void LinearOp::gemm_from(int64_t min_rows, bool rows_independent) {
@@ -75,10 +78,15 @@ at::Tensor linear_prepacked(const at::Tensor& x, const at::Tensor& packed) {
 }  // namespace
 
 at::Tensor LinearOp::gemm_unwidened(const at::Tensor& x) const {
-  if (takes_dot()) return tp::bf16_gemm(x, dot_, out_features_, /*bf16_out=*/true, dot_fma_);
+  if (takes_dot()) return tp::bf16_gemm(x, dot_, out_features_, /*bf16_out=*/true, dot_fma_, dot_store());
   const at::Tensor xg = x.to(gemm_weight_.scalar_type());  // [M, K]
   const bool prepacked = gemm_packed_.defined() && x.size(0) < gemm_packed_max_rows_;
   return prepacked ? linear_prepacked(xg, gemm_packed_) : at::linear(xg, gemm_weight_);
+}
+
+at::Tensor LinearOp::gated_unwidened(const at::Tensor& x) const {
+  if (takes_dot() && dot_gate_up_) return tp::bf16_gemm(x, dot_, out_features_, /*bf16_out=*/true, dot_fma_, kStoreSiluMul);
+  return tp::silu_and_mul_widened(gemm_unwidened(x));
 }
 
 bool LinearOp::rounds_rows(int64_t rows) const {
@@ -96,7 +104,7 @@ at::Tensor LinearOp::gemm(const at::Tensor& x) const {
                                                          int8_.size() > 3 ? c10::optional<at::Tensor>(int8_[3])
                                                                           : c10::nullopt,
                                                          t_[0].size(0))  // the blocks' rows: N
-                 : takes_dot() ? tp::bf16_gemm(x, dot_, out_features_, /*bf16_out=*/false, dot_fma_)
+                 : takes_dot() ? tp::bf16_gemm(x, dot_, out_features_, /*bf16_out=*/false, dot_fma_, dot_store())
                                         : gemm_unwidened(x).to(at::kFloat);
   if (bias_.has_value() && bias_->defined()) y.add_(*bias_);
   return y;
@@ -148,7 +156,7 @@ void DecoderStack::set_kv_caches(std::vector<at::Tensor> k_caches, std::vector<a
 at::Tensor DecoderStack::mlp(const StackLayer& layer, const at::Tensor& h) const {
   const int64_t T = h.size(0);
   if (layer.gate_up.gives_bfloat16(T) && layer.down.gives_bfloat16(T))
-    return layer.down(tp::silu_and_mul_widened(layer.gate_up.gemm_unwidened(h)));
+    return layer.down(layer.gate_up.gated_unwidened(h));
   return layer.down(layer.gate_up.silu_gated(h));
 }
 

@@ -27,8 +27,10 @@ class LinearOp {
   // From min_rows rows on, at every row count, the projection runs bf16_gemm's AVX512-BF16 dot products instead of
   // its kernel: `dot` is its weight in bfloat16 [out_features, in], in pack_bf16_gemm's layout (no other copy is
   // kept). The bfloat16-rounded GEMM result torch's would give, summed in another order.
-  // fma: its sums on float32 FMAs (fma_tile), where they outrun the dot-product instruction.
-  void set_dot_weight(at::Tensor dot, int64_t min_rows, bool fma = false);
+  // fma: its sums on float32 FMAs (fma_tile), where they outrun the dot-product instruction. gate_up_by_16: `dot`
+  // packs a gate / up weight's rows by 16s (gemm.py: gate_up_by_16), which gated_unwidened takes through SiLU as it
+  // stores; every result keeps the unpacked weight's column order.
+  void set_dot_weight(at::Tensor dot, int64_t min_rows, bool fma = false, bool gate_up_by_16 = false);
   // From min_rows rows on, a block-format projection (q8_0, q4_1) runs int8_gemm on `tensors` (pack_int8_gemm of its
   // blocks: packed values, negsum, scales[, mins]) instead of its kernel: the same quantities (x rounded to int8
   // blocks, the blocks' products summed exactly) at AVX512-VNNI's rate; float32 sums in another order.
@@ -40,6 +42,9 @@ class LinearOp {
   bool gives_bfloat16(int64_t rows) const;
   // The GEMM's own result [M, N] in the copy's dtype (x in any float dtype): operator()'s values before widening.
   at::Tensor gemm_unwidened(const at::Tensor& x) const;
+  // A gate / up projection's silu_and_mul_widened(gemm_unwidened(x)) [M, N / 2] bfloat16 (gives_bfloat16 rows), the
+  // same bits; a dot-product weight packed by 16s applies it as it stores, without the [M, N] product.
+  at::Tensor gated_unwidened(const at::Tensor& x) const;
 
  private:
   at::Tensor gemm(const at::Tensor& x) const;
@@ -60,8 +65,10 @@ class LinearOp {
   int64_t gemm_packed_max_rows_ = 0;
   at::Tensor dot_;  // defined: the GEMM is bf16_gemm on it (set_dot_weight)
   bool dot_fma_ = false;  // bf16_gemm sums on FMAs (set_dot_weight)
+  bool dot_gate_up_ = false;  // dot_ packs a gate / up weight by 16s (set_dot_weight)
   std::vector<at::Tensor> int8_;  // not empty: the GEMM is int8_gemm on these (set_int8_gemm)
   bool takes_dot() const { return dot_.defined(); }
+  int64_t dot_store() const { return dot_gate_up_ ? kStoreGateUp : kStorePlain; }  // bf16_gemm's store for dot_
 };
 
 struct StackLayer {
