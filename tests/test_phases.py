@@ -12,6 +12,7 @@ from twophase.bench.phases import register_phases
 from twophase.bench.roofline import (
     compute_bound_batch,
     decode_floor,
+    instruction_peak,
     intensity_of_projection,
     serving_floor,
     step_cost,
@@ -100,3 +101,24 @@ def test_serving_floor_runs_waves_of_the_concurrency():
     assert serving_floor(config, 4, 64, 8, 1, 2, 1e12, 1e11) < one_wave
     # twice the peak and the bandwidth: twice the rate
     assert serving_floor(config, 4, 64, 8, 4, 2, 2e12, 2e11) == pytest.approx(2 * one_wave)
+
+
+def test_instruction_peak_is_the_best_of_its_tries(monkeypatch):
+    """A run the host slowed does not lower the compute floor: the peak is the fastest of ``tries`` runs, each of
+    the given length, of the kernels' own measurement."""
+    import torch
+
+    from twophase.model.ops import extension
+
+    rates = iter([3.0e11, 4.6e11, 4.1e11])
+    calls = []
+
+    class Kernels:
+        @staticmethod
+        def instruction_peak(name, seconds):
+            calls.append((name, seconds))
+            return next(rates)
+
+    monkeypatch.setattr(extension, "load_kernels", lambda: Kernels)
+    assert instruction_peak(torch.bfloat16, 0.05, tries=3) == 4.6e11
+    assert calls == [("bfloat16", 0.05)] * 3
