@@ -245,7 +245,8 @@ inline __m512 exp512(__m512 x) {
 // silu(g) * u of 16 lanes: g / (1 + exp(-g)), times u (silu8's formula on exp512). silu_and_mul_widened and
 // bf16_gemm's gate / up store (kStoreSiluMul) both take it, so the two give the same bits.
 inline __m512 silu_mul16(__m512 g, __m512 u) {
-  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+  const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), g));  // exp(-g)
+  const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
   return _mm512_mul_ps(silu, u);
 }
 

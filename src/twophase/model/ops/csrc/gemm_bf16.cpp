@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
+#include <type_traits>
 #include <vector>
 #include "dot_bf16.h"
 #include "ops.h"
@@ -108,7 +109,8 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, b
   const int64_t M = x.size(0), K = x.size(1), P = packed.size(0), pairs = packed.size(1);
   TORCH_CHECK(K == 2 * pairs, "bf16_gemm: x has ", K, " columns, the weight ", 2 * pairs);
   TORCH_CHECK(n > (P - 1) * kDotCols && n <= P * kDotCols, "bf16_gemm: n does not match the packed panels");
-  TORCH_CHECK(store == kStorePlain || store == kStoreGateUp || store == kStoreSiluMul, "bf16_gemm: unknown store ", store);
+  TORCH_CHECK(store == kStorePlain || store == kStoreGateUp || store == kStoreSiluMul, "bf16_gemm: unknown store ",
+              store);
   TORCH_CHECK(store == kStorePlain || n % kDotCols == 0,
               "bf16_gemm: a gate / up weight packed by 16s has a multiple of 32 outputs");
   TORCH_CHECK(store != kStoreSiluMul || bf16_out, "bf16_gemm: silu(gate) * up is stored in bfloat16");
@@ -143,52 +145,63 @@ at::Tensor bf16_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, b
   // L2), row block by row block within it: a thread's run keeps its row block in L1 across the group's panels, where
   // panel by panel x's rows streamed through the caches once a panel.
   const int64_t group = blocks >= kGroupMinBlocks ? std::max<int64_t>(1, kGroupBytes / panel_bytes) : 1;
-  guided_for(P * blocks, [] { return 0; }, [&](int64_t u0, int64_t u1, int) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t g0 = u / (group * blocks) * group, in_group = std::min(group, P - g0);
-      const int64_t unit = u - g0 * blocks;  // within the group: row block unit / in_group, panel unit % in_group
-      const int64_t p = g0 + unit % in_group, b = unit / in_group, r0 = starts[b];
-      const int64_t cols = std::min(kDotCols, n - p * kDotCols);
-      const __mmask16 m0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
-      const __mmask16 m1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
-      // the rows' sums rounded once to bfloat16, stored as such or widened: the panel's 32 columns side by side, or
-      // (a gate / up weight packed by 16s) its 16 gate and 16 up outputs in their own columns, or silu(gate) * up
-      // of the two in bfloat16 (silu_and_mul_widened's arithmetic)
-      const int64_t at0 = store == kStorePlain ? p * kDotCols : p * 16, at1 = store == kStoreGateUp ? half + p * 16 : at0 + 16;
-      auto store_row = [&](int r, __m512 c0, __m512 c1) {
-        const int64_t row = (r0 + r) * out_cols;
-        const __m256i h0 = (__m256i)_mm512_cvtneps_pbh(c0), h1 = (__m256i)_mm512_cvtneps_pbh(c1);
-        if (store == kStoreSiluMul) {
-          const __m256i y = bf16x16_of(silu_mul16(widen_bf16x16(h0), widen_bf16x16(h1)));
-          _mm256_storeu_si256(reinterpret_cast<__m256i*>(out16 + row + at0), y);
-        } else if (out16) {
-          _mm256_mask_storeu_epi16(out16 + row + at0, m0, h0);
-          _mm256_mask_storeu_epi16(out16 + row + at1, m1, h1);
-        } else {
-          _mm512_mask_storeu_ps(out32 + row + at0, m0, widen_bf16x16(h0));
-          _mm512_mask_storeu_ps(out32 + row + at1, m1, widen_bf16x16(h1));
-        }
-      };
-      // a run's first block reads its panel from memory, prefetching it into L1 as it goes; the blocks after it bring
-      // the next panel into L2 meanwhile, a share each (a line a pair: half the panel where there are two blocks, as
-      // measured)
-      // (in groups every block prefetches: the thread that brought the group's panels may be the other one)
-      const bool reads_panel = b == 0 || u == u0 || group > 1;
-      // (Keep this dispatch in the run's lambda: moved into a helper struct's method, GCC left dot_tile<12> out of
-      // line and 2,048-row GEMMs ran ~10% slower, 32-row ones not; session 45. Check nm -C after a change.)
-      with_tile_rows(starts[b + 1] - r0, [&](auto mr) {
-        const char* next_share = reads_panel ? nullptr
-                                             : reinterpret_cast<const char*>(wp + (p + 1) * pairs * 2 * kDotCols) +
-                                                   (b - 1) * panel_bytes / (blocks - 1);
-        if (fma)
-          fma_tile<decltype(mr)::value>(xf + r0 * K, K, wp + p * pairs * 2 * kDotCols, pairs, store_row,
-                                        reads_panel ? kPrefetchPairs : 0, next_share);
-        else
-          dot_tile<decltype(mr)::value, kRowMajor>(xr + r0 * pairs, wp + p * pairs * 2 * kDotCols, pairs, nullptr, 0,
-                                                   store_row, reads_panel ? kPrefetchPairs : 0, next_share, pairs);
-      });
-    }
-  });
+  // The store mode as a template argument (each its own GEMM body): a runtime mode's branches and offsets in the
+  // plain store cost the plain GEMMs 1-2% (2 Zen 4 cores, alternating builds).
+  auto run = [&](auto mode) {
+    constexpr int64_t kMode = decltype(mode)::value;
+    guided_for(P * blocks, [] { return 0; }, [&](int64_t u0, int64_t u1, int) {
+      for (int64_t u = u0; u < u1; ++u) {
+        const int64_t g0 = u / (group * blocks) * group, in_group = std::min(group, P - g0);
+        const int64_t unit = u - g0 * blocks;  // within the group: row block unit / in_group, panel unit % in_group
+        const int64_t p = g0 + unit % in_group, b = unit / in_group, r0 = starts[b];
+        const int64_t cols = std::min(kDotCols, n - p * kDotCols);
+        const __mmask16 m0 = cols >= 16 ? 0xffff : static_cast<__mmask16>((1u << cols) - 1);
+        const __mmask16 m1 = cols >= 32 ? 0xffff : cols <= 16 ? 0 : static_cast<__mmask16>((1u << (cols - 16)) - 1);
+        // the rows' sums rounded once to bfloat16, stored as such or widened: the panel's 32 columns side by side, or
+        // (a gate / up weight packed by 16s) its 16 gate and 16 up outputs in their own columns, or silu(gate) * up
+        // of the two in bfloat16 (silu_and_mul_widened's arithmetic)
+        auto store_row = [&](int r, __m512 c0, __m512 c1) {
+          const __m256i h0 = (__m256i)_mm512_cvtneps_pbh(c0), h1 = (__m256i)_mm512_cvtneps_pbh(c1);
+          if constexpr (kMode == kStoreSiluMul) {
+            const __m256i y = bf16x16_of(silu_mul16(widen_bf16x16(h0), widen_bf16x16(h1)));
+            _mm256_storeu_si256(reinterpret_cast<__m256i*>(out16 + (r0 + r) * out_cols + p * 16), y);
+          } else {
+            // the panel's second 16 columns: beside its first, or (gate / up) among the up outputs
+            const int64_t at0 = (r0 + r) * out_cols + (kMode == kStorePlain ? p * kDotCols : p * 16);
+            const int64_t at1 = kMode == kStorePlain ? at0 + 16 : (r0 + r) * out_cols + half + p * 16;
+            if (out16) {
+              _mm256_mask_storeu_epi16(out16 + at0, m0, h0);
+              _mm256_mask_storeu_epi16(out16 + at1, m1, h1);
+            } else {
+              _mm512_mask_storeu_ps(out32 + at0, m0, widen_bf16x16(h0));
+              _mm512_mask_storeu_ps(out32 + at1, m1, widen_bf16x16(h1));
+            }
+          }
+        };
+        // a run's first block reads its panel from memory, prefetching it into L1 as it goes; the blocks after it bring
+        // the next panel into L2 meanwhile, a share each (a line a pair: half the panel where there are two blocks, as
+        // measured)
+        // (in groups every block prefetches: the thread that brought the group's panels may be the other one)
+        const bool reads_panel = b == 0 || u == u0 || group > 1;
+        // (Keep this dispatch in the run's lambda: moved into a helper struct's method, GCC left dot_tile<12> out of
+        // line and 2,048-row GEMMs ran ~10% slower, 32-row ones not; session 45. Check nm -C after a change.)
+        with_tile_rows(starts[b + 1] - r0, [&](auto mr) {
+          const char* next_share = reads_panel ? nullptr
+                                               : reinterpret_cast<const char*>(wp + (p + 1) * pairs * 2 * kDotCols) +
+                                                     (b - 1) * panel_bytes / (blocks - 1);
+          if (fma)
+            fma_tile<decltype(mr)::value>(xf + r0 * K, K, wp + p * pairs * 2 * kDotCols, pairs, store_row,
+                                          reads_panel ? kPrefetchPairs : 0, next_share);
+          else
+            dot_tile<decltype(mr)::value, kRowMajor>(xr + r0 * pairs, wp + p * pairs * 2 * kDotCols, pairs, nullptr, 0,
+                                                     store_row, reads_panel ? kPrefetchPairs : 0, next_share, pairs);
+        });
+      }
+    });
+  };
+  if (store == kStoreSiluMul) run(std::integral_constant<int64_t, kStoreSiluMul>{});
+  else if (store == kStoreGateUp) run(std::integral_constant<int64_t, kStoreGateUp>{});
+  else run(std::integral_constant<int64_t, kStorePlain>{});
 #endif
   return out;
 }

@@ -85,7 +85,8 @@ at::Tensor LinearOp::gemm_unwidened(const at::Tensor& x) const {
 }
 
 at::Tensor LinearOp::gated_unwidened(const at::Tensor& x) const {
-  if (takes_dot() && dot_gate_up_) return tp::bf16_gemm(x, dot_, out_features_, /*bf16_out=*/true, dot_fma_, kStoreSiluMul);
+  if (takes_dot() && dot_gate_up_)
+    return tp::bf16_gemm(x, dot_, out_features_, /*bf16_out=*/true, dot_fma_, kStoreSiluMul);
   return tp::silu_and_mul_widened(gemm_unwidened(x));
 }
 
