@@ -130,20 +130,12 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, n: int, repeats: in
 
 def instruction_peak(dtype: torch.dtype, seconds: float = 0.2, tries: int = 3) -> float | None:
     """FLOP/s of this CPU's matmul instruction for ``dtype`` (bfloat16: ``vdpbf16ps``, float32: the widest FMA) on
-    every torch thread at once: the compute floor a GEMM is measured against (a GEMM of torch's runs below it). From
-    our kernels, the best of ``tries`` runs of ``seconds``: a peak is what the instruction can do, and a run the host
-    slowed says nothing about that (one comparison on 2 Zen 4 cores measured 370 GFLOP/s where the runs around it
-    measured 461-466, and put the prefill floor below the rate twophase then reached). None where the kernels are not
-    built or the CPU lacks the instruction."""
-    from twophase.model.ops.extension import load_kernels
+    every torch thread at once: the compute floor a GEMM is measured against (a GEMM of torch's runs below it). The
+    kernels' measurement, best of ``tries`` runs (``gemm.instruction_rate``: a single run once put the prefill floor
+    below the rate twophase reached); None where they are not built or the CPU lacks the instruction."""
+    from twophase.model.ops.gemm import instruction_rate
 
-    kernels = load_kernels()
-    if kernels is None:
-        return None
-    try:
-        return max(kernels.instruction_peak(dtype_name(dtype), seconds) for _ in range(max(1, tries)))
-    except RuntimeError:  # the build has no such instruction
-        return None
+    return instruction_rate(dtype_name(dtype), seconds, tries)
 
 
 def time_floor(cost: StepCost, peak_flops: float, bandwidth: float) -> float:

@@ -55,15 +55,25 @@ def dot_sums_on_fma() -> bool:
     choice = os.environ.get("TWOPHASE_BF16_GEMM", "auto")
     if choice in ("dot", "fma"):
         return choice == "fma"
+    dot_rate, fma_rate = instruction_rate("bfloat16", 0.01), instruction_rate("float32", 0.01)
+    if dot_rate is None or fma_rate is None:  # no kernels, or a build without one of the instructions
+        return False
+    return fma_rate > FMA_OVER_DOT * dot_rate
+
+
+def instruction_rate(name: str, seconds: float, tries: int = 3) -> float | None:
+    """FLOP/s of the kernels' matmul instruction for dtype ``name`` ("bfloat16": ``vdpbf16ps``, "float32": the widest
+    FMA) on every torch thread at once, the best of ``tries`` runs of ``seconds``: a rate is what the instruction can
+    do, and a run the host slowed says nothing about it (one comparison on 2 Zen 4 cores measured 370 GFLOP/s where
+    the runs around it measured 461-466). ``dot_sums_on_fma`` decides on it, ``roofline.instruction_peak`` takes it as
+    the compute floor. None where the kernels are not built or lack the instruction."""
     from twophase.model.ops.extension import load_kernels
 
     kernels = load_kernels()
     try:
-        dot_rate = kernels.instruction_peak("bfloat16", 0.01)
-        fma_rate = kernels.instruction_peak("float32", 0.01)
-    except (AttributeError, RuntimeError):  # no kernels, or a build without one of the instructions
-        return False
-    return fma_rate > FMA_OVER_DOT * dot_rate
+        return max(kernels.instruction_peak(name, seconds) for _ in range(max(1, tries)))
+    except (AttributeError, RuntimeError):  # no kernels (None), or a build without the instruction
+        return None
 
 
 def prepack_for_onednn(weight: torch.Tensor, rows: int = 32) -> torch.Tensor | None:
