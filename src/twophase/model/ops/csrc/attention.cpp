@@ -732,47 +732,26 @@ struct ItemRows {
   int64_t query(int64_t rr) const { return q0 + (rr % per_head) / G; }  // within the request
 };
 
-// dst[i] = s * src[i], i < n: the values a copy and then scale_f32 give, in one pass (a float32 row was a memcpy
-// call, 256 bytes at a time, then the scaling).
-// dst = s * src, in one pass over registers, rounded to bfloat16 where dst is (the product rounded once, as convert
-// rounds). A pass widening (or scaling in place) into memory and a second pass reading it back stored each vector
-// in one width and loaded it in another, and the wider loads waited for the narrower stores to retire: begin_item and
-// finish_item were 4.3% and 10.8% of prefill attention's samples (8 x 256 tokens, 2 Zen 4 cores), finish_item 0.9%
+// dst = s * src over n values, float32 or bfloat16 either side: widened, scaled and (bfloat16 dst) rounded once, in one
+// pass over registers. As a pass into memory (widen; scale in place) and a second pass back, each vector was stored
+// in one width and loaded in another, and the wider loads waited for the narrower stores to retire: begin_item and
+// finish_item were 4.3% and 10.8% of prefill attention's samples (8 x 256 tokens, 2 Zen 4 cores), finish_item 0.8%
 // of a 32-row decode step's.
-inline void scaled_copy(float* dst, const float* src, float s, int64_t n) {
+template <class D, class S>
+inline void scaled_copy(D* dst, const S* src, float s, int64_t n) {
   int64_t i = 0;
 #ifdef __AVX512F__
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_set1_ps(s), _mm512_loadu_ps(src + i)));
+  for (; i + 16 <= n; i += 16) store16(dst + i, _mm512_mul_ps(_mm512_set1_ps(s), load16(src + i)));
 #endif
 #ifdef __AVX2__
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_set1_ps(s), _mm256_loadu_ps(src + i)));
+  for (; i + 8 <= n; i += 8) store8(dst + i, _mm256_mul_ps(_mm256_set1_ps(s), load8(src + i)));
 #endif
-  for (; i < n; ++i) dst[i] = s * src[i];
-}
-inline void scaled_copy(float* dst, const uint16_t* src, float s, int64_t n) {
-  int64_t i = 0;
-#ifdef __AVX512F__
-  for (; i + 16 <= n; i += 16)
-    _mm512_storeu_ps(dst + i, _mm512_mul_ps(_mm512_set1_ps(s), widen_bf16x16(_mm256_loadu_si256(
-                                                                     reinterpret_cast<const __m256i*>(src + i)))));
-#endif
-#ifdef __AVX2__
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, _mm256_mul_ps(_mm256_set1_ps(s), load_bf16x8(src + i)));
-#endif
-  for (; i < n; ++i) dst[i] = s * bf16_to_f32(src[i]);
-}
-inline void scaled_copy(uint16_t* dst, const float* src, float s, int64_t n) {
-  int64_t i = 0;
-#ifdef __AVX512F__
-  for (; i + 16 <= n; i += 16)
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i),
-                        bf16x16_of(_mm512_mul_ps(_mm512_set1_ps(s), _mm512_loadu_ps(src + i))));
-#endif
-#ifdef __AVX2__
-  for (; i + 8 <= n; i += 8)
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), bf16x8_of(_mm256_mul_ps(_mm256_set1_ps(s), _mm256_loadu_ps(src + i))));
-#endif
-  for (; i < n; ++i) dst[i] = f32_to_bf16(s * src[i]);
+  for (; i < n; ++i) {
+    float x;
+    convert(&x, src + i, 1);
+    x *= s;
+    convert(dst + i, &x, 1);
+  }
 }
 
 // The rows of an item lie apart (a query's rows of q, of out): the row this many ahead is prefetched as one is

@@ -218,6 +218,10 @@ inline __m128i bf16x8_of(__m256 f) {
   const __m256i packed = _mm256_packus_epi32(r, r);  // [r0..r3 r0..r3 | r4..r7 r4..r7] as 16-bit lanes
   return _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));  // qwords 0 and 2: r0..r7
 }
+
+// 8 floats to float32 or bfloat16 values (bfloat16: rounded as f32_to_bf16 rounds); load8's counterpart.
+inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+inline void store8(uint16_t* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), bf16x8_of(v)); }
 #endif
 
 #ifdef __AVX512F__
@@ -287,6 +291,14 @@ inline __m256i bf16x16_of(__m512 f) {
   r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
   return _mm512_cvtepi32_epi16(r);
 }
+
+// 16 floats from float32 or bfloat16 values (widened exactly), and back (bfloat16: rounded as bf16x16_of rounds).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  return widen_bf16x16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16(uint16_t* p, __m512 v) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), bf16x16_of(v)); }
 #endif
 
 inline void convert(uint16_t* dst, const float* src, int64_t n) {
