@@ -128,15 +128,16 @@ def test_block_panels_packed_in_cpp_as_in_torch(kernels, fmt):
     assert not kernels.block_panels_equal(panels, weight[:, :96])
 
 
-def test_float32_gguf_blocks_run_bit_identical(tiny_llama_dir, tmp_path, monkeypatch):
-    """A float32 model read from a GGUF file's Q8_0 blocks runs every projection and the head from those blocks,
-    with the logits of the float32 panels bit for bit, and so the same greedy tokens."""
+@pytest.mark.parametrize("stored, runs_as", [("q8_0", "q8_0"), ("q4_0", "q4_1")])
+def test_float32_gguf_blocks_run_bit_identical(stored, runs_as, tiny_llama_dir, tmp_path, monkeypatch):
+    """A float32 model read from a GGUF file's Q8_0 (or Q4_0, as Q4_1 blocks) blocks runs every projection and the
+    head from those blocks, with the logits of the float32 panels bit for bit, and so the same greedy tokens."""
     from tiny_models import write_tiny_gguf
 
-    path = write_tiny_gguf(tiny_llama_dir, tmp_path / "q8.gguf", dtype="q8_0")
+    path = write_tiny_gguf(tiny_llama_dir, tmp_path / f"{stored}.gguf", dtype=stored)
     blocks = make_llm(path, dtype="float32")
     model = blocks.engine.model_runner.model
-    assert isinstance(model.logits_head, BlockPanelLinear)
+    assert isinstance(model.logits_head, BlockPanelLinear) and model.logits_head.fmt == runs_as
     assert all(isinstance(m, BlockPanelLinear) for layer in model.layers for m in (layer.self_attn.qkv_proj,
                layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj))  # fmt: skip
     monkeypatch.setattr(llm_engine, "wants_native_weights", lambda config, source: False)  # the weights as float32 only
@@ -213,6 +214,28 @@ def test_quantized_kernels_match_their_dequantised_weights(tiny_qwen2_dir, quant
     for ours, theirs in zip(packed_logits(fast, PROMPTS), packed_logits(plain, PROMPTS)):
         torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     assert [o.token_ids for o in fast.generate(PROMPTS, GREEDY)] == [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+
+
+def test_gguf_q4_0_runs_as_the_same_q4_1_blocks(tiny_llama_dir, tmp_path):
+    """--quantization gguf takes a GGUF file's Q4_0 weights as Q4_1 blocks (m = -8 d) without requantising: each
+    projection's blocks give back the loader's float32 weights exactly, and the model runs bit for bit as the file
+    of the same blocks stored as Q4_1 (the int8 GEMM from 3 rows where built, the kernels below)."""
+    from tiny_models import write_tiny_gguf
+    from twophase.loader import open_model_source
+
+    path = write_tiny_gguf(tiny_llama_dir, tmp_path / "q4_0.gguf", dtype="q4_0")
+    as_q4_1 = write_tiny_gguf(tiny_llama_dir, tmp_path / "q4_1.gguf", dtype="q4_0_as_q4_1")
+    q4_0, q4_1 = make_llm(path, dtype="float32", quantization="gguf"), make_llm(as_q4_1, dtype="float32", quantization="gguf")
+    model = q4_0.engine.model_runner.model
+    loaded = dict(open_model_source(str(path)).iter_weights(progress=False))
+    assert loaded.keys() == dict(open_model_source(str(as_q4_1)).iter_weights(progress=False)).keys()
+    down = model.layers[1].mlp.down_proj
+    assert down.fmt == "q4_1" and torch.equal(down.dequantized(), loaded["model.layers.1.mlp.down_proj.weight"])
+    assert model.logits_head.fmt == "q4_1" and torch.equal(model.logits_head.dequantized(),
+                                                            loaded["model.embed_tokens.weight"])  # fmt: skip
+    for ours, theirs in zip(packed_logits(q4_0, PROMPTS), packed_logits(q4_1, PROMPTS)):
+        assert torch.equal(ours, theirs)
+    assert [o.token_ids for o in q4_0.generate(PROMPTS, GREEDY)] == [o.token_ids for o in q4_1.generate(PROMPTS, GREEDY)]
 
 
 @pytest.mark.parametrize("fixture", ["tiny_llama_dir", "tiny_qwen2_dir"])

@@ -78,6 +78,48 @@ def test_gguf_q8_0_within_quant_error(llama_dir: Path, tmp_path: Path) -> None:
         torch.testing.assert_close(a[name], b[name], atol=scale / 127 + 1e-6, rtol=0, msg=name)
 
 
+def test_gguf_q4_0_dequantized_as_ggufs(llama_dir: Path, tmp_path: Path) -> None:
+    """Q4_0 tensors (w = d (q - 8)) run as Q4_1 blocks with m = -8 d: the weights the loader reads (C++ kernels and
+    torch alike) and the blocks the runner executes equal gguf's own dequantization of the file."""
+    import gguf
+    import numpy as np
+
+    from twophase.loader import gguf_reader
+    from twophase.model.ops.extension import load_kernels
+    from twophase.model.ops.linear import dequantize
+
+    path = write_tiny_gguf(llama_dir, tmp_path / "q4_0.gguf", dtype="q4_0")
+    tensors = [t for t in gguf_reader.open_gguf(path).tensors if t.tensor_type.name == "Q4_0"]
+    assert len(tensors) == 15  # the embedding and each layer's seven projections
+    for tensor in tensors:
+        expected = np.asarray(gguf.dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
+        for kernels in (load_kernels(), None):
+            assert np.array_equal(gguf_reader.dequantize_tensor(tensor, kernels), expected), tensor.name
+        fmt, (qs, d, m) = gguf_reader.stored_blocks(tensor)
+        assert fmt == "q4_1" and torch.equal(m.float(), -8 * d.float())
+        assert np.array_equal(dequantize((qs, d, m), fmt).numpy(), expected), tensor.name
+    native = open_model_source(path).native_quantized_weights()
+    assert len(native) == 15 and {fmt for fmt, _ in native.values()} == {"q4_1"}
+    b = _weights(llama_dir)
+    for name, weight in _weights(path).items():  # within Q4_0's rounding: a step of max |w| / 8 (q is clamped at 15)
+        scale = b[name].abs().max().item()
+        torch.testing.assert_close(weight, b[name], atol=scale / 8 + 1e-6, rtol=0, msg=name)
+
+
+def test_q4_0_scale_past_float16_range_not_native() -> None:
+    """A Q4_0 block whose -8 d overflows float16 has no Q4_1 form: ``from_gguf_q4_0`` declines it (the loader then
+    dequantises that tensor through gguf instead)."""
+    from twophase.model.ops.quant import from_gguf_q4_0
+
+    block = torch.zeros(18, dtype=torch.uint8)
+    block[:2] = torch.tensor([10000.0], dtype=torch.float16).view(torch.uint8)
+    assert from_gguf_q4_0(block, 1, 32) is None
+    block[:2] = torch.tensor([-0.25], dtype=torch.float16).view(torch.uint8)
+    block[2:] = 0x9F  # q 15 in the low nibbles, 9 in the high ones
+    qs, d, m = from_gguf_q4_0(block, 1, 32)
+    assert m.item() == 2.0 and d.item() == -0.25 and qs.shape == (1, 16)
+
+
 def test_qwen2_bias_and_untied_head(tmp_path: Path) -> None:
     hf = write_tiny_llama(tmp_path / "qwen", qwen2_bias=True, tie=False, seed=1)
     gguf_path = write_tiny_gguf(hf, tmp_path / "qwen.gguf", dtype="f16")

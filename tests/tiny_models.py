@@ -94,7 +94,8 @@ def _gguf_name(hf_name: str) -> str:
 
 
 def write_tiny_gguf(hf_dir: Path, out_path: Path, dtype: str = "f32") -> Path:
-    """Write the HF model in ``hf_dir`` as GGUF (``f32``, ``f16`` or ``q8_0`` 2-D weights; norms stay f32)."""
+    """Write the HF model in ``hf_dir`` as GGUF (``f32``, ``f16``, ``q8_0`` or ``q4_0`` 2-D weights; norms stay f32).
+    ``q4_0_as_q4_1``: the ``q4_0`` file's weights written as Q4_1 blocks (the same d and nibbles, m = -8 d)."""
     import gguf
     from safetensors.torch import load_file
 
@@ -128,9 +129,14 @@ def _add_tensor(writer: Any, name: str, array: np.ndarray, dtype: str) -> None:
         writer.add_tensor(name, np.ascontiguousarray(array, dtype=np.float32))
     elif dtype == "f16":
         writer.add_tensor(name, array.astype(np.float16))
-    elif dtype == "q8_0":
-        qtype = gguf.GGMLQuantizationType.Q8_0
+    elif dtype in ("q8_0", "q4_0"):
+        qtype = gguf.GGMLQuantizationType[dtype.upper()]
         writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+    elif dtype == "q4_0_as_q4_1":
+        blocks = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q4_0).reshape(array.shape[0], -1, 18)
+        minus_8d = (blocks[..., :2].copy().view(np.float16).astype(np.float32) * -8).astype(np.float16)
+        q4_1 = np.concatenate([blocks[..., :2], minus_8d.view(np.uint8), blocks[..., 2:]], axis=-1)
+        writer.add_tensor(name, q4_1.reshape(array.shape[0], -1), raw_dtype=gguf.GGMLQuantizationType.Q4_1)
     else:
         raise ValueError(f"unsupported tiny GGUF dtype {dtype!r}")
 

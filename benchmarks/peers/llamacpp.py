@@ -1,7 +1,8 @@
 """llama.cpp peer: build from the tree vendored in the llama-cpp-python sdist, GGUF precision variants, benches, server.
 
 Everything lives under ``$TWOPHASE_HOME/peers/llama.cpp/``: the sdist, its unpacked tree, ``build/bin/`` and
-``models/`` (the F32 / BF16 / Q8_0 variants made with llama-quantize from the store's Q4_1 file).
+``models/`` (the F32 / BF16 / Q8_0 / Q4_0 / Q4_1 variants made with llama-quantize from the model's GGUF file, which
+itself serves for the precision it stores).
 """
 
 from __future__ import annotations
@@ -21,8 +22,10 @@ from peers.common import HOST, Server, ServerError, Workload, free_port, last_li
 VERSION = "0.3.36"  # llama-cpp-python sdist whose vendor/llama.cpp we build
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-server", "llama-quantize")
 THREADS = 2
-PRECISIONS = ("f32", "bf16", "q8_0", "q4_1")
-QUANTIZE_TYPE = {"f32": "F32", "bf16": "BF16", "q8_0": "Q8_0"}
+PRECISIONS = ("f32", "bf16", "q8_0", "q4_0", "q4_1")
+QUANTIZE_TYPE = {"f32": "F32", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
+# GGUF general.file_type (llama.cpp's llama_ftype) -> the precision a file stores
+FILE_TYPES = {0: "f32", 2: "q4_0", 3: "q4_1", 7: "q8_0", 32: "bf16"}
 
 
 def home() -> Path:
@@ -66,9 +69,17 @@ def install() -> None:
     log(f"llama.cpp built in {time.monotonic() - start:.0f}s")
 
 
+def stored_precision(source: Path) -> str | None:
+    """The precision a GGUF file stores (its ``general.file_type``), None where unknown."""
+    from twophase.loader.gguf_reader import gguf_field, open_gguf
+
+    return FILE_TYPES.get(gguf_field(open_gguf(source), "general.file_type"))
+
+
 def variant(source: Path, precision: str) -> Path:
-    """The GGUF file of ``precision`` (the store's Q4_1 file itself for q4_1); made with llama-quantize once."""
-    if precision == "q4_1":
+    """The GGUF file of ``precision``: ``source`` itself where it stores that precision (the store's Q4_1 file for
+    q4_1), else made from it with llama-quantize once."""
+    if stored_precision(source) == precision:
         return source
     out = home() / "models" / f"{source.stem.rsplit('.', 1)[0]}.{QUANTIZE_TYPE[precision]}.gguf"
     if not out.exists():

@@ -266,25 +266,43 @@ def iter_gguf(reader: GGUFFile, config: ModelConfig, tensors: Any) -> Iterator[t
         yield name, torch.from_numpy(array)
 
 
-NATIVE_FORMATS = {"Q8_0": "q8_0", "Q4_1": "q4_1"}  # GGUF tensor types our kernels execute as stored
+# GGUF tensor types our kernels execute as stored -> the block format each runs as (Q4_0 as Q4_1 blocks with m = -8 d:
+# the same float32 weights, ``quant.from_gguf_q4_0``)
+NATIVE_FORMATS = {"Q8_0": "q8_0", "Q4_1": "q4_1", "Q4_0": "q4_1"}
+# types the C++ kernels' ``dequantize_gguf`` reads in the file's own block layout
+RAW_DEQUANTIZED = ("Q8_0", "Q4_1")
+
+
+def stored_blocks(tensor: GGUFTensor) -> tuple[str, tuple[torch.Tensor, ...]] | None:
+    """(block format, its tensors in ``model/ops/quant.py``'s layout) of a 2-D tensor stored in a type the kernels
+    execute (``NATIVE_FORMATS``), rows in the stored order; None for any other tensor, and for a Q4_0 one that no
+    Q4_1 block can hold (``quant.from_gguf_q4_0``)."""
+    fmt = NATIVE_FORMATS.get(tensor.tensor_type.name)
+    if fmt is None or len(tensor.shape) != 2:
+        return None
+    from twophase.model.ops import quant
+
+    k, n = (int(x) for x in tensor.shape)  # GGUF lists dimensions innermost first
+    packed = quant.FROM_GGUF[tensor.tensor_type.name](raw_block_bytes(tensor), n, k)
+    return None if packed is None else (fmt, packed)
 
 
 def dequantize_tensor(tensor: GGUFTensor, kernels: ModuleType | None = None) -> np.ndarray:
-    """float32 values of a GGUF tensor in its stored row order. Q8_0 and Q4_1 go through the C++ ``kernels`` when
-    given (``extension.built_kernels()``), else through torch (``model/ops/quant.py``): both do the float32
-    arithmetic of ``gguf.dequantize`` and give the same bits, many times faster. Every other type goes through
-    ``gguf.dequantize``."""
-    fmt = NATIVE_FORMATS.get(tensor.tensor_type.name)
-    if fmt is not None and len(tensor.shape) == 2:
-        from twophase.model.ops import quant
+    """float32 values of a GGUF tensor in its stored row order. The block types the kernels execute
+    (``NATIVE_FORMATS``) go through the C++ ``kernels`` when given (``extension.built_kernels()``; Q8_0 and Q4_1
+    read in place), else through torch (``model/ops/quant.py``): both do the float32 arithmetic of
+    ``gguf.dequantize`` and give the same bits, many times faster. Every other type goes through ``gguf.dequantize``."""
+    type_name = tensor.tensor_type.name
+    if kernels is not None and type_name in RAW_DEQUANTIZED and len(tensor.shape) == 2:
+        k, n = (int(x) for x in tensor.shape)
+        return kernels.dequantize_gguf(raw_block_bytes(tensor), NATIVE_FORMATS[type_name], n, k).numpy()
+    blocks = stored_blocks(tensor)
+    if blocks is not None:
         from twophase.model.ops.linear import dequantize as dequantize_packed
 
-        k, n = (int(x) for x in tensor.shape)
-        raw = raw_block_bytes(tensor)
-        if kernels is not None:
-            return kernels.dequantize_gguf(raw, fmt, n, k).numpy()
-        packed = quant.from_gguf_q8_0(raw, n, k) if fmt == "q8_0" else quant.from_gguf_q4_1(raw, n, k)
-        return dequantize_packed(packed, fmt).numpy()
+        fmt, packed = blocks
+        return (kernels.dequantize_blocks(fmt, list(packed)) if kernels is not None
+                else dequantize_packed(packed, fmt)).numpy()  # fmt: skip
     try:
         return np.asarray(dequantize(tensor.data, tensor.tensor_type), dtype=np.float32)
     except Exception as exc:
@@ -301,19 +319,15 @@ def raw_block_bytes(tensor: GGUFTensor) -> torch.Tensor:
 
 
 def iter_gguf_native(reader: GGUFFile, config: ModelConfig) -> Iterator[tuple[str, str, tuple[torch.Tensor, ...]]]:
-    """Yield ``(hf_name, fmt, packed)`` for each 2-D tensor stored in a block format our kernels run (q8_0, q4_1),
-    as the tensors its kernel takes (``model/ops/quant.py`` layouts), rows in HF order: the exact stored weights,
-    never dequantised and requantised."""
-    from twophase.model.ops import quant
-
+    """Yield ``(hf_name, fmt, packed)`` for each 2-D tensor stored in a block type our kernels run (``stored_blocks``:
+    Q8_0 and Q4_1, Q4_0 as Q4_1), as the tensors its kernel takes (``model/ops/quant.py`` layouts), rows in HF order:
+    the exact stored weights, never dequantised and requantised."""
     permute = gguf_architecture(reader) in PERMUTED_ARCHITECTURES
     for tensor in reader.tensors:
-        fmt = NATIVE_FORMATS.get(tensor.tensor_type.name)
-        if fmt is None or len(tensor.shape) != 2:
+        blocks = stored_blocks(tensor)
+        if blocks is None:
             continue
-        k, n = (int(x) for x in tensor.shape)  # GGUF lists dimensions innermost first
-        raw = raw_block_bytes(tensor)
-        packed = quant.from_gguf_q8_0(raw, n, k) if fmt == "q8_0" else quant.from_gguf_q4_1(raw, n, k)
+        fmt, packed = blocks
         if permute and (".attn_q." in tensor.name or ".attn_k." in tensor.name):
             heads = config.num_attention_heads if ".attn_q." in tensor.name else config.num_key_value_heads
             packed = tuple(torch.from_numpy(np.ascontiguousarray(reverse_permute(p.numpy(), heads))) for p in packed)

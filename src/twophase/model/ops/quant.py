@@ -7,6 +7,9 @@ Layouts (K must be a multiple of 32; one block = 32 consecutive weights of a row
   block's 16 bytes holds element j in its low nibble and element j+16 in its high nibble (GGUF order),
   so raw GGUF block data converts by slicing (``from_gguf_q8_0`` / ``from_gguf_q4_1``).
 
+GGUF's Q4_0 (w = d * (q - 8), the nibbles as Q4_1's) runs as Q4_1 blocks with m = -8 d (``from_gguf_q4_0``): the same
+float32 weights, so every Q4_1 kernel executes it as stored.
+
 Scales are float16 as in GGUF (the kernels convert them exactly; float32 scales would make a Q4_1 block 24 bytes
 instead of 20); quantizers round them to float16 like ggml, so GGUF files round-trip.
 
@@ -89,6 +92,25 @@ def from_gguf_q4_1(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, tor
     m = blk[..., 2:4].contiguous().view(torch.float16).reshape(n, k // QK)
     qs = blk[..., 4:].contiguous().reshape(n, k // 2)
     return qs, d, m
+
+
+def from_gguf_q4_0(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """Raw GGUF Q4_0 bytes (N*K/32 blocks of fp16 d + 16 packed bytes; w = d (q - 8)) -> Q4_1's (qs, d, m) with
+    m = -8 d. The same float32 weights as ``gguf.dequantize``'s d (q - 8): d q and 8 d are exact (a float16
+    significand times an integer below 16), and so is d q - 8 d, which has no more significant bits (where q = 8 it is
+    +0, where gguf's is -0 for a negative d: equal values). None where some -8 d overflows float16 (|d| > 8188, a
+    weight past float16's range), which no Q4_1 block can hold."""
+    blk = raw.reshape(n, k // QK, 18)
+    d = blk[..., 0:2].contiguous().view(torch.float16).reshape(n, k // QK)
+    m = (d.float() * -8.0).half()  # exact where finite: a power of two
+    if not torch.isfinite(m).all():
+        return None
+    qs = blk[..., 2:].contiguous().reshape(n, k // 2)
+    return qs, d, m
+
+
+# GGUF tensor type -> its raw bytes as the tensors of the block format it runs as (gguf_reader.NATIVE_FORMATS)
+FROM_GGUF = {"Q8_0": from_gguf_q8_0, "Q4_1": from_gguf_q4_1, "Q4_0": from_gguf_q4_0}
 
 
 def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
