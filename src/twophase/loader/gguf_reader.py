@@ -290,8 +290,9 @@ def stored_blocks(tensor: GGUFTensor) -> tuple[str, tuple[torch.Tensor, ...]] | 
 def dequantize_tensor(tensor: GGUFTensor, kernels: ModuleType | None = None) -> np.ndarray:
     """float32 values of a GGUF tensor in its stored row order. The block types the kernels execute
     (``NATIVE_FORMATS``) go through the C++ ``kernels`` when given (``extension.built_kernels()``; Q8_0 and Q4_1
-    read in place), else through torch (``model/ops/quant.py``): both do the float32 arithmetic of
-    ``gguf.dequantize`` and give the same bits, many times faster. Every other type goes through ``gguf.dequantize``."""
+    read in place), else through torch (``model/ops/quant.py``): both give ``gguf.dequantize``'s values many times
+    faster (its bits for Q8_0 and Q4_1, the same arithmetic; for Q4_0, +0 where gguf gives -0, see
+    ``quant.from_gguf_q4_0``). Every other type goes through ``gguf.dequantize``."""
     type_name = tensor.tensor_type.name
     if kernels is not None and type_name in RAW_DEQUANTIZED and len(tensor.shape) == 2:
         k, n = (int(x) for x in tensor.shape)
