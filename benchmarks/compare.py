@@ -64,7 +64,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="extra twophase engine args for one more twophase column (repeatable), "
                              "e.g. \"--dtype bfloat16\"")
     parser.add_argument("--precisions", default=None,
-                        help="llama.cpp GGUF precisions, comma list of f32,bf16,q8_0,q4_0,q4_1 "
+                        help=f"llama.cpp GGUF precisions, comma list of {','.join(llamacpp.PRECISIONS)} "
                              "(default: the one matching twophase's dtype)")
     parser.add_argument("--vllm-args", default="", help="extra `vllm serve` args, e.g. \"--enforce-eager\"")
     parser.add_argument("--vllm-dtypes", default=None,

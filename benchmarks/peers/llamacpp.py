@@ -22,10 +22,8 @@ from peers.common import HOST, Server, ServerError, Workload, free_port, last_li
 VERSION = "0.3.36"  # llama-cpp-python sdist whose vendor/llama.cpp we build
 TARGETS = ("llama-bench", "llama-batched-bench", "llama-server", "llama-quantize")
 THREADS = 2
-PRECISIONS = ("f32", "bf16", "q8_0", "q4_0", "q4_1")
-QUANTIZE_TYPE = {"f32": "F32", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}
-# GGUF general.file_type (llama.cpp's llama_ftype) -> the precision a file stores
-FILE_TYPES = {0: "f32", 2: "q4_0", 3: "q4_1", 7: "q8_0", 32: "bf16"}
+QUANTIZE_TYPE = {"f32": "F32", "bf16": "BF16", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1"}  # llama-quantize's names
+PRECISIONS = tuple(QUANTIZE_TYPE)
 
 
 def home() -> Path:
@@ -70,10 +68,18 @@ def install() -> None:
 
 
 def stored_precision(source: Path) -> str | None:
-    """The precision a GGUF file stores (its ``general.file_type``), None where unknown."""
+    """The precision a GGUF file stores (its ``general.file_type``, gguf's ``LlamaFileType``: ALL_F32, MOSTLY_Q4_0,
+    ...), None where it is none of ``PRECISIONS``."""
+    from gguf import LlamaFileType
+
     from twophase.loader.gguf_reader import gguf_field, open_gguf
 
-    return FILE_TYPES.get(gguf_field(open_gguf(source), "general.file_type"))
+    try:
+        name = LlamaFileType(gguf_field(open_gguf(source), "general.file_type")).name
+    except ValueError:  # absent or unknown
+        return None
+    precision = name.split("_", 1)[1].lower()
+    return precision if precision in PRECISIONS else None
 
 
 def variant(source: Path, precision: str) -> Path:

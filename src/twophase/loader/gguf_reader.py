@@ -29,6 +29,7 @@ from gguf import GGMLQuantizationType, GGUFReader, dequantize
 
 from twophase.config import ConfigError, ModelConfig
 from twophase.loader.errors import ModelLoadError
+from twophase.model.ops import quant
 
 CACHE_VERSION = 1  # bump when the cached index's layout changes
 
@@ -266,24 +267,22 @@ def iter_gguf(reader: GGUFFile, config: ModelConfig, tensors: Any) -> Iterator[t
         yield name, torch.from_numpy(array)
 
 
-# GGUF tensor types our kernels execute as stored -> the block format each runs as (Q4_0 as Q4_1 blocks with m = -8 d:
-# the same float32 weights, ``quant.from_gguf_q4_0``)
-NATIVE_FORMATS = {"Q8_0": "q8_0", "Q4_1": "q4_1", "Q4_0": "q4_1"}
-# types the C++ kernels' ``dequantize_gguf`` reads in the file's own block layout
-RAW_DEQUANTIZED = ("Q8_0", "Q4_1")
+# GGUF tensor types our kernels execute as stored -> the block format each runs as (``quant.FROM_GGUF``)
+NATIVE_FORMATS = {type_name: fmt for type_name, (fmt, _) in quant.FROM_GGUF.items()}
+# those stored in their own format's block layout, which the C++ kernels' ``dequantize_gguf`` reads in place
+RAW_DEQUANTIZED = tuple(type_name for type_name, fmt in NATIVE_FORMATS.items() if fmt == type_name.lower())
 
 
 def stored_blocks(tensor: GGUFTensor) -> tuple[str, tuple[torch.Tensor, ...]] | None:
     """(block format, its tensors in ``model/ops/quant.py``'s layout) of a 2-D tensor stored in a type the kernels
     execute (``NATIVE_FORMATS``), rows in the stored order; None for any other tensor, and for a Q4_0 one that no
     Q4_1 block can hold (``quant.from_gguf_q4_0``)."""
-    fmt = NATIVE_FORMATS.get(tensor.tensor_type.name)
-    if fmt is None or len(tensor.shape) != 2:
+    entry = quant.FROM_GGUF.get(tensor.tensor_type.name)
+    if entry is None or len(tensor.shape) != 2:
         return None
-    from twophase.model.ops import quant
-
+    fmt, from_gguf = entry
     k, n = (int(x) for x in tensor.shape)  # GGUF lists dimensions innermost first
-    packed = quant.FROM_GGUF[tensor.tensor_type.name](raw_block_bytes(tensor), n, k)
+    packed = from_gguf(raw_block_bytes(tensor), n, k)
     return None if packed is None else (fmt, packed)
 
 

@@ -109,8 +109,9 @@ def from_gguf_q4_0(raw: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, tor
     return qs, d, m
 
 
-# GGUF tensor type -> its raw bytes as the tensors of the block format it runs as (gguf_reader.NATIVE_FORMATS)
-FROM_GGUF = {"Q8_0": from_gguf_q8_0, "Q4_1": from_gguf_q4_1, "Q4_0": from_gguf_q4_0}
+# GGUF tensor types the kernels execute as stored -> (the block format each runs as, its raw bytes -> that format's
+# tensors): Q4_0 as Q4_1 blocks with m = -8 d, the same float32 weights
+FROM_GGUF = {"Q8_0": ("q8_0", from_gguf_q8_0), "Q4_1": ("q4_1", from_gguf_q4_1), "Q4_0": ("q4_1", from_gguf_q4_0)}
 
 
 def quantize_blocks(x: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
